@@ -1,0 +1,31 @@
+"""One transformer block on the stream axis: mHC around attention and around the MLP.
+
+Legend: B batch, T tokens, S streams, D model dim.
+
+Each sublayer is pre-norm (RMSNorm then F) and wrapped by its own hyper-connection, whose home
+stream rotates with the sublayer index so different streams start as different sublayers' inputs.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from birkhoff.config import ModelConfig
+from birkhoff.model.hyper import build_hyper_connection
+from birkhoff.model.layers import Attention, RMSNorm, SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        hc = dict(iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.hc_attn = build_hyper_connection(cfg.dim, cfg.num_streams, home=2 * index, **hc)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.hc_mlp = build_hyper_connection(cfg.dim, cfg.num_streams, home=2 * index + 1, **hc)
+
+    def forward(self, x_BTSD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        x_BTSD = self.hc_attn(x_BTSD, lambda h_BTD: self.attn(self.attn_norm(h_BTD), rope))
+        return self.hc_mlp(x_BTSD, lambda h_BTD: self.mlp(self.mlp_norm(h_BTD)))

@@ -1,0 +1,104 @@
+"""Standard transformer pieces: RMSNorm, rotary embedding, grouped-query attention, SwiGLU.
+
+Legend: B batch, T tokens, D model dim, H heads, K head dim, F mlp hidden.
+
+Design choices:
+- Norms and rope run in at least fp32 (`_compute_dtype`): fp64 inputs stay fp64 so the CPU
+  reference tests compare exactly; bf16 inputs are upcast and the result cast back.
+- Rope tables are computed from explicit positions, so the trainer (positions 0..T-1) and the
+  engine (arbitrary per-sequence positions with a KV cache) share one function.
+- Projections are separate (wq, wk, wv; w_gate, w_up) in the trainer layout; the engine fuses
+  them (see birkhoff/refit/layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from birkhoff.config import ModelConfig
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x / rms(x) * weight over the last dim, computed in >= fp32."""
+    xf = x.to(_compute_dtype(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [*positions.shape, K/2] in fp64 (cast at use)."""
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    )
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BTHK: Tensor, cos_BTK2: Tensor, sin_BTK2: Tensor) -> Tensor:
+    """Rotate pairs (x[..., :K/2], x[..., K/2:]) by the position angle (the 'half' layout)."""
+    dtype = _compute_dtype(x_BTHK.dtype)
+    xf = x_BTHK.to(dtype)
+    cos, sin = cos_BTK2.to(dtype)[:, :, None, :], sin_BTK2.to(dtype)[:, :, None, :]
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x_BTHK.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention over a full sequence (training path)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHK = self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k_BTHK = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        v_BTHK = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        q_BTHK, k_BTHK = apply_rope(q_BTHK, *rope), apply_rope(k_BTHK, *rope)
+        out_BHTK = causal_attention(q_BTHK, k_BTHK, v_BTHK)
+        return self.wo(out_BHTK.transpose(1, 2).reshape(B, T, -1))
+
+
+def causal_attention(q_BTHK: Tensor, k_BTHK: Tensor, v_BTHK: Tensor) -> Tensor:
+    """SDPA with GQA: kv heads are repeated to match query heads. Returns [B,H,T,K]."""
+    groups = q_BTHK.shape[2] // k_BTHK.shape[2]
+    k_BTHK = k_BTHK.repeat_interleave(groups, dim=2) if groups > 1 else k_BTHK
+    v_BTHK = v_BTHK.repeat_interleave(groups, dim=2) if groups > 1 else v_BTHK
+    return F.scaled_dot_product_attention(
+        q_BTHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHK.transpose(1, 2), is_causal=True
+    )
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x_BTD)) * self.w_up(x_BTD))

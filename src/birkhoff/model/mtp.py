@@ -1,0 +1,86 @@
+"""Multi-token prediction (DeepSeek-V3 style) on the stream axis, and its loss.
+
+Legend: B batch, T tokens, S streams, D model dim, V vocab, M MTP depth.
+
+Depth k = 1..M at position i predicts token t_{i+k+1} from
+    h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))]   (per stream, W_k: D x 2D)
+    h_k  = Block_k(h'_k)                                     (one mHC block)
+    logits = lm_head(Norm_k(Contract_k(h_k)))                (own contraction + norm, shared head)
+with h_0 the decoder's *multistream* output [B,T,S,D], never the contracted [B,T,D] hidden state:
+losing the stream axis on the way is the bug this module refuses with a ValueError.
+
+Label convention: `labels` are the input ids; the shift happens here. The main head at position i
+predicts labels[i+1] (shift 1), depth k predicts labels[i+k+1] (shift k+1). Targets and the loss
+mask are rolled by the same shift and the last `shift` positions are masked, so nothing wraps
+around and nothing is shifted twice. Loss is a per-token mean with the count clamped to >= 1
+(an all-masked batch gives 0, not NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from birkhoff.config import ModelConfig
+from birkhoff.model.block import Block
+from birkhoff.model.hyper import build_contraction
+from birkhoff.model.layers import RMSNorm
+
+
+def shift_targets(labels_BT: Tensor, mask_BT: Tensor, shift: int) -> tuple[Tensor, Tensor]:
+    """targets[i] = labels[i+shift], mask[i] = mask[i+shift]; the last `shift` positions masked."""
+    T = labels_BT.shape[1]
+    targets_BT = torch.roll(labels_BT, -shift, dims=1)
+    shifted_BT = torch.roll(mask_BT, -shift, dims=1).clone()
+    shifted_BT[:, max(T - shift, 0) :] = False
+    return targets_BT, shifted_BT
+
+
+def masked_token_ce(logits_BTV: Tensor, targets_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean cross-entropy over masked-in tokens (computed in >= fp32; 0 when nothing is in)."""
+    dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+    nll_BT = F.cross_entropy(
+        logits_BTV.to(dtype).flatten(0, 1), targets_BT.flatten(), reduction="none"
+    ).view_as(targets_BT)
+    mask = mask_BT.to(dtype)
+    return (nll_BT * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def combine_losses(main: Tensor, mtp_losses: list[Tensor], weight: float) -> Tensor:
+    """L = L_main + (lambda / M) * sum_k L_k."""
+    if not mtp_losses:
+        return main
+    return main + (weight / len(mtp_losses)) * torch.stack(mtp_losses).sum()
+
+
+class MTPDepth(nn.Module):
+    """One MTP depth: merge the previous depth's streams with the next token's embedding."""
+
+    def __init__(self, cfg: ModelConfig, depth: int) -> None:
+        super().__init__()
+        self.num_streams = cfg.num_streams
+        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, index=cfg.num_layers + depth)
+        self.contraction = build_contraction(cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def check_streams(self, h: Tensor) -> None:
+        S = self.num_streams
+        if h.dim() != 4 or h.shape[2] != S:
+            raise ValueError(
+                f"MTP expects the decoder's multistream tensor [B,T,S={S},D]; got shape "
+                f"{tuple(h.shape)} (a contracted [B,T,D] hidden state loses the stream axis)"
+            )
+
+    def merge(self, h_BTSD: Tensor, emb_BTD: Tensor) -> Tensor:
+        """h'_k: per stream, W_k [RMSNorm(h); RMSNorm(emb)] -> [B,T,S,D]."""
+        self.check_streams(h_BTSD)
+        e_BTSD = self.embed_norm(emb_BTD)[:, :, None, :].expand_as(h_BTSD)
+        return self.proj(torch.cat((self.hidden_norm(h_BTSD), e_BTSD), dim=-1))
+
+    def head_input(self, h_BTSD: Tensor) -> Tensor:
+        """Own contraction + norm: the input of the shared lm_head, [B,T,D]."""
+        return self.norm(self.contraction(h_BTSD))

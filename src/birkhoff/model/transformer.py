@@ -1,0 +1,146 @@
+"""The mHC + MTP decoder-only transformer (training layout).
+
+Legend: B batch, T tokens, S streams, D model dim, V vocab, M MTP depth.
+
+Data contract: `decoder()` returns both the contracted hidden state [B,T,D] (normed, ready for
+lm_head) and the pre-contraction multistream [B,T,S,D]; the MTP depths consume the multistream.
+`forward()` computes the main next-token loss and one loss per MTP depth from the input ids
+(`labels` are the input ids; shifts happen inside, see mtp.py).
+
+Recompute: with `cfg.recompute == "full"` every block and every MTP depth runs under
+`birkhoff.recompute.checkpoint` with `cfg.reclaim`; `run_checkpointed` is the single place that
+decides this, so the numerics of both paths are the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from birkhoff.config import ModelConfig
+from birkhoff.model.block import Block
+from birkhoff.model.hyper import build_contraction, expand_streams
+from birkhoff.model.layers import RMSNorm, rope_tables
+from birkhoff.model.mtp import MTPDepth, combine_losses, masked_token_ce, shift_targets
+
+
+class DecoderOutput(NamedTuple):
+    hidden: Tensor  # [B,T,D] contracted + final norm
+    multistream: Tensor  # [B,T,S,D] before the output contraction
+
+
+class TransformerOutput(NamedTuple):
+    logits: Tensor  # [B,T,V] main head
+    loss: Tensor | None  # L_main + lambda/M sum_k L_k
+    main_loss: Tensor | None
+    mtp_losses: list[Tensor]  # one scalar per depth; empty when M = 0
+
+
+def check_token_ids(ids: Tensor, *, name: str, vocab_size: int, max_seq_len: int) -> None:
+    """Boundary check for token-id batches: 2-D integer, non-empty, in vocabulary, not too long."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an int64/int32 [B,T] tensor, got {ids.dtype} {ids.shape}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(ids.shape)}")
+    if ids.shape[1] > max_seq_len:
+        raise ValueError(f"{name} has length {ids.shape[1]} > max_seq_len={max_seq_len}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} holds token id {lo if lo < 0 else hi} outside [0, {vocab_size})")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.contraction = build_contraction(cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPDepth(cfg, k) for k in range(cfg.mtp_depth))
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def init_weights(self) -> None:
+        """Normal(0, 0.02); residual-output projections scaled by 1/sqrt(2 * num sublayers)."""
+        out_std = 0.02 / math.sqrt(2 * (self.cfg.num_layers + self.cfg.mtp_depth))
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                is_out = name.endswith(("attn.wo", "mlp.w_down"))
+                nn.init.normal_(module.weight, std=out_std if is_out else 0.02)
+
+    def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        positions_BT = torch.arange(T, device=device)[None, :]
+        return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def run_checkpointed(self, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+        """Run `fn(*args)`, under recompute when the config asks for it."""
+        if self.cfg.recompute == "none" or not torch.is_grad_enabled():
+            return fn(*args)
+        from birkhoff.recompute import checkpoint
+
+        out = checkpoint(fn, *args, reclaim=self.cfg.reclaim)
+        assert isinstance(out, Tensor)
+        return out
+
+    def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
+        rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
+        x_BTSD = expand_streams(self.embed(input_ids_BT), self.cfg.num_streams)
+        for block in self.layers:
+            x_BTSD = self.run_checkpointed(lambda x, b=block: b(x, rope), x_BTSD)
+        return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
+
+    def mtp_hidden(self, multistream_BTSD: Tensor, input_ids_BT: Tensor) -> list[Tensor]:
+        """Head inputs [B,T,D] of depths 1..M; depth k sees Emb(t_{i+k}) at position i."""
+        if self.cfg.mtp_depth == 0:
+            return []
+        self.mtp[0].check_streams(multistream_BTSD)
+        rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
+        h_BTSD, outs = multistream_BTSD, []
+        for k, depth in enumerate(self.mtp, start=1):
+            emb_BTD = self.embed(torch.roll(input_ids_BT, -k, dims=1))
+
+            def run(h: Tensor, e: Tensor, d: MTPDepth = depth) -> Tensor:
+                return d.block(d.merge(h, e), rope)
+
+            h_BTSD = self.run_checkpointed(run, h_BTSD, emb_BTD)
+            outs.append(depth.head_input(h_BTSD))
+        return outs
+
+    def forward(
+        self, input_ids: Tensor, labels: Tensor | None = None, loss_mask: Tensor | None = None
+    ) -> TransformerOutput:
+        cfg = self.cfg
+        check_token_ids(input_ids, name="input_ids", vocab_size=cfg.vocab_size,
+                        max_seq_len=cfg.max_seq_len)  # fmt: skip
+        out = self.decoder(input_ids)
+        logits_BTV = self.lm_head(out.hidden)
+        if labels is None:
+            return TransformerOutput(logits_BTV, None, None, [])
+        mask_BT = self.check_labels(input_ids, labels, loss_mask)
+        main = masked_token_ce(logits_BTV, *shift_targets(labels, mask_BT, 1))
+        mtp_losses = [
+            masked_token_ce(self.lm_head(h_BTD), *shift_targets(labels, mask_BT, k + 1))
+            for k, h_BTD in enumerate(self.mtp_hidden(out.multistream, input_ids))
+        ]
+        loss = combine_losses(main, mtp_losses, cfg.mtp_loss_weight)
+        return TransformerOutput(logits_BTV, loss, main, mtp_losses)
+
+    def check_labels(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None) -> Tensor:
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")  # fmt: skip
+        check_token_ids(labels, name="labels", vocab_size=self.cfg.vocab_size,
+                        max_seq_len=self.cfg.max_seq_len)  # fmt: skip
+        if loss_mask is None:
+            return torch.ones_like(labels, dtype=torch.bool)
+        if loss_mask.shape != labels.shape:
+            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != labels shape "
+                             f"{tuple(labels.shape)}")  # fmt: skip
+        return loss_mask.bool()

@@ -1,0 +1,90 @@
+"""Trainer layout -> engine (inference) layout: names and fusions, shared by engine and refit.
+
+The engine serves fused projections: `attn.wqkv.weight` = cat(wq, wk, wv) and
+`mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0). Every other tensor keeps
+its trainer name. With tied embeddings the engine serves `embed.weight` once and uses it as the
+lm_head. The MTP drafter (`mtp.{k}.*`) is mapped exactly like the main model.
+
+`to_engine_layout` is a streaming transform: it consumes (name, tensor) pairs in any order and
+yields each engine tensor as soon as all of its parts have arrived, so refit can bucket without
+materialising the whole engine state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+
+# fused engine suffix -> trainer suffixes, in concatenation order
+FUSIONS: dict[str, tuple[str, ...]] = {
+    "attn.wqkv.weight": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
+    "mlp.w_gate_up.weight": ("mlp.w_gate.weight", "mlp.w_up.weight"),
+}
+_PART_OF = {part: (fused, i) for fused, parts in FUSIONS.items() for i, part in enumerate(parts)}
+
+# engine tensors that are matmul weights (candidates for fp8); never norms, embeddings, mHC
+MATMUL_SUFFIXES = (
+    "attn.wqkv.weight",
+    "attn.wo.weight",
+    "mlp.w_gate_up.weight",
+    "mlp.w_down.weight",
+    "proj.weight",
+    "lm_head.weight",
+)
+
+
+def split_fused_part(trainer_name: str) -> tuple[str, int, int] | None:
+    """(engine name, part index, number of parts) if `trainer_name` is part of a fusion."""
+    for part, (fused, index) in _PART_OF.items():
+        if trainer_name.endswith("." + part):
+            prefix = trainer_name[: -len(part)]
+            return prefix + fused, index, len(FUSIONS[fused])
+    return None
+
+
+def is_matmul_weight(engine_name: str) -> bool:
+    return engine_name.endswith(MATMUL_SUFFIXES)
+
+
+def trainer_tensors(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """The trainer tensors the engine needs, once each (a tied lm_head is skipped)."""
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        if cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+def to_engine_layout(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Map trainer (name, tensor) pairs to engine pairs, fusing q/k/v and gate/up.
+
+    Raises ValueError if a fusion is left incomplete or a part arrives twice.
+    """
+    pending: dict[str, list[Tensor | None]] = {}
+    for name, tensor in named:
+        fused = split_fused_part(name)
+        if fused is None:
+            yield name, tensor
+            continue
+        engine_name, index, num_parts = fused
+        parts = pending.setdefault(engine_name, [None] * num_parts)
+        if parts[index] is not None:
+            raise ValueError(f"trainer tensor {name!r} arrived twice")
+        parts[index] = tensor
+        if all(p is not None for p in parts):
+            yield engine_name, torch.cat([p for p in parts if p is not None], dim=0)
+            del pending[engine_name]
+    if pending:
+        raise ValueError(f"incomplete fusions (missing parts): {sorted(pending)}")
+
+
+def engine_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the engine serves, derived from a meta-device model."""
+    from birkhoff.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(t.shape) for name, t in to_engine_layout(trainer_tensors(model, cfg))}
