@@ -18,13 +18,12 @@ from birkhoff.model.layers import Attention, RMSNorm, SwiGLU
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        hc = dict(iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.hc_attn = build_hyper_connection(cfg.dim, cfg.num_streams, home=2 * index, **hc)
+        self.hc_attn = build_hyper_connection(cfg, home=2 * index)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
-        self.hc_mlp = build_hyper_connection(cfg.dim, cfg.num_streams, home=2 * index + 1, **hc)
+        self.hc_mlp = build_hyper_connection(cfg, home=2 * index + 1)
 
     def forward(self, x_BTSD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         x_BTSD = self.hc_attn(x_BTSD, lambda h_BTD: self.attn(self.attn_norm(h_BTD), rope))

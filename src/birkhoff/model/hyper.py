@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from birkhoff.config import ModelConfig
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 PRE_EPS = 1e-6
@@ -117,12 +118,12 @@ class PlainResidual(nn.Module):
         return x_BTSD + sublayer(x_BTSD[:, :, 0])[:, :, None, :]
 
 
-def build_hyper_connection(
-    dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float
-) -> nn.Module:
-    if num_streams == 1:
+def build_hyper_connection(cfg: ModelConfig, *, home: int) -> nn.Module:
+    if cfg.num_streams == 1:
         return PlainResidual()
-    return HyperConnection(dim, num_streams, home=home, iters=iters, norm_eps=norm_eps)
+    return HyperConnection(
+        cfg.dim, cfg.num_streams, home=home, iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps
+    )
 
 
 def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:

@@ -58,11 +58,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.blocks: list[Block] = [Block(cfg, i) for i in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(self.blocks)  # typed list above, registered modules here
         self.contraction = build_contraction(cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPDepth(cfg, k) for k in range(cfg.mtp_depth))
+        self.mtp_depths: list[MTPDepth] = [MTPDepth(cfg, k) for k in range(cfg.mtp_depth)]
+        self.mtp = nn.ModuleList(self.mtp_depths)
         self.init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -83,7 +85,7 @@ class Transformer(nn.Module):
         """Run `fn(*args)`, under recompute when the config asks for it."""
         if self.cfg.recompute == "none" or not torch.is_grad_enabled():
             return fn(*args)
-        from birkhoff.recompute import checkpoint
+        from birkhoff.recompute import checkpoint  # type: ignore[attr-defined]
 
         out = checkpoint(fn, *args, reclaim=self.cfg.reclaim)
         assert isinstance(out, Tensor)
@@ -92,7 +94,7 @@ class Transformer(nn.Module):
     def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         x_BTSD = expand_streams(self.embed(input_ids_BT), self.cfg.num_streams)
-        for block in self.layers:
+        for block in self.blocks:
             x_BTSD = self.run_checkpointed(lambda x, b=block: b(x, rope), x_BTSD)
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
 
@@ -100,10 +102,10 @@ class Transformer(nn.Module):
         """Head inputs [B,T,D] of depths 1..M; depth k sees Emb(t_{i+k}) at position i."""
         if self.cfg.mtp_depth == 0:
             return []
-        self.mtp[0].check_streams(multistream_BTSD)
+        self.mtp_depths[0].check_streams(multistream_BTSD)
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         h_BTSD, outs = multistream_BTSD, []
-        for k, depth in enumerate(self.mtp, start=1):
+        for k, depth in enumerate(self.mtp_depths, start=1):
             emb_BTD = self.embed(torch.roll(input_ids_BT, -k, dims=1))
 
             def run(h: Tensor, e: Tensor, d: MTPDepth = depth) -> Tensor:
@@ -127,7 +129,7 @@ class Transformer(nn.Module):
         main = masked_token_ce(logits_BTV, *shift_targets(labels, mask_BT, 1))
         mtp_losses = [
             masked_token_ce(self.lm_head(h_BTD), *shift_targets(labels, mask_BT, k + 1))
-            for k, h_BTD in enumerate(self.mtp_hidden(out.multistream, input_ids))
+            for k, h_BTD in enumerate(self.mtp_hidden(out.multistream, input_ids), start=1)
         ]
         loss = combine_losses(main, mtp_losses, cfg.mtp_loss_weight)
         return TransformerOutput(logits_BTV, loss, main, mtp_losses)
