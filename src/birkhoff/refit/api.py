@@ -1,0 +1,121 @@
+"""`refit(model, engine)`: trainer weights -> engine layout -> (fp8) -> buckets -> session.
+
+The pipeline is a stream: trainer tensors are visited once (`state_dict` references, no copy),
+grouped into engine tensors by the shared layout mapping, and each engine tensor is written
+straight into the current bucket with the cast to the engine dtype fused into that copy. Fused
+projections (q/k/v, gate/up) are packed part by part, so the engine state is never materialised on
+the sender; only fp8 matmul weights are concatenated first, because their 128x128 scale blocks
+straddle the part boundaries. The engine's manifest decides each tensor's dtype: a matmul weight
+served as fp8 is quantized on the sender's device and followed by its `<name>_scale_inv`.
+
+Everything after `begin` runs under one try: any exception aborts the session, so the engine never
+commits a partial update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+from birkhoff.refit.bucket import Bucket, BucketPacker
+from birkhoff.refit.fp8 import FP8_DTYPE, quantize_fp8_blockwise
+from birkhoff.refit.layout import is_matmul_weight, split_fused_part, trainer_tensors
+from birkhoff.refit.session import RefitReport, RefitTarget
+from birkhoff.refit.transport import InProcessTransport, Transport
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+SCALE_SUFFIX = "_scale_inv"
+
+
+def engine_sources(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, list[Tensor]]]:
+    """(engine name, parts) as soon as all parts are in; the engine tensor is cat(parts, dim=0).
+
+    Same grouping as `layout.to_engine_layout`, minus the concatenation.
+    """
+    pending: dict[str, list[Tensor | None]] = {}
+    for name, tensor in named:
+        fused = split_fused_part(name)
+        if fused is None:
+            yield name, [tensor]
+            continue
+        engine_name, index, num_parts = fused
+        parts = pending.setdefault(engine_name, [None] * num_parts)
+        if parts[index] is not None:
+            raise ValueError(f"trainer tensor {name!r} arrived twice")
+        parts[index] = tensor
+        if all(p is not None for p in parts):
+            yield engine_name, [p for p in parts if p is not None]
+            del pending[engine_name]
+    if pending:
+        raise ValueError(f"incomplete fusions (missing parts): {sorted(pending)}")
+
+
+def manifest_quantize(manifest: Mapping[str, Any]) -> str | None:
+    """'fp8' if the manifest serves any matmul weight in fp8, else None."""
+    fp8 = any(is_matmul_weight(n) and spec.dtype == FP8_DTYPE for n, spec in manifest.items())
+    return "fp8" if fp8 else None
+
+
+def pack_engine_tensor(
+    packer: BucketPacker, name: str, parts: list[Tensor], manifest: Mapping[str, Any]
+) -> Iterator[Bucket]:
+    """Buckets filled while packing one engine tensor in the manifest's dtype (fp8 + scale)."""
+    spec = manifest.get(name)
+    if spec is None:  # not served: send as-is so finish() reports it as unexpected
+        yield from packer.add(name, parts, parts[0].dtype)
+        return
+    if spec.dtype != FP8_DTYPE:
+        yield from packer.add(name, parts, spec.dtype)
+        return
+    parts = [p.to(packer.device, non_blocking=True) for p in parts]
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    q, scale_inv = quantize_fp8_blockwise(weight)
+    yield from packer.add(name, [q], FP8_DTYPE)
+    yield from packer.add(name + SCALE_SUFFIX, [scale_inv], torch.float32)
+
+
+def refit(
+    model: torch.nn.Module,
+    engine: RefitTarget | None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    quantize: str | None = None,
+    transport: Transport | None = None,
+    check_finite: bool = False,
+) -> RefitReport:
+    """Stream `model`'s weights into `engine` (or through `transport`) and commit atomically.
+
+    `quantize` must agree with the engine: None for an engine serving bf16/fp32 weights, "fp8"
+    for one serving block-scaled fp8 matmul weights. Raises RefitError (engine unchanged) when the
+    update is incomplete or malformed, ValueError for bad arguments.
+    """
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"model must carry a ModelConfig as .cfg, got {type(cfg).__name__}")
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize={quantize!r} is invalid: None | 'fp8'")
+    if transport is None:
+        if engine is None:
+            raise ValueError("engine=None needs a transport")
+        transport = InProcessTransport(engine)
+    packer = BucketPacker(bucket_bytes, device=transport.device, num_buffers=2)
+    transport.begin()
+    try:
+        manifest = transport.manifest()
+        served = manifest_quantize(manifest)
+        if served != quantize:
+            raise ValueError(f"quantize={quantize!r} but the engine serves quantize={served!r}")
+        with torch.no_grad():
+            for name, parts in engine_sources(trainer_tensors(model, cfg)):
+                for bucket in pack_engine_tensor(packer, name, parts, manifest):
+                    transport.send(bucket)
+            for bucket in packer.flush():
+                transport.send(bucket)
+        return transport.finish(check_finite=check_finite)
+    except BaseException:
+        transport.abort()  # idempotent: a no-op once finish() has ended the session
+        raise
