@@ -81,21 +81,23 @@ class Transformer(nn.Module):
         positions_BT = torch.arange(T, device=device)[None, :]
         return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def run_checkpointed(self, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
-        """Run `fn(*args)`, under recompute when the config asks for it."""
+    def run_checkpointed(self, fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
+        """Run `fn(*args)`, under recompute when the config asks for it (`name` labels it)."""
         if self.cfg.recompute == "none" or not torch.is_grad_enabled():
             return fn(*args)
-        from birkhoff.recompute import checkpoint  # type: ignore[attr-defined]
+        from birkhoff.recompute import checkpoint
 
-        out = checkpoint(fn, *args, reclaim=self.cfg.reclaim)
+        out = checkpoint(fn, *args, reclaim=self.cfg.reclaim, name=name)
         assert isinstance(out, Tensor)
         return out
 
     def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         x_BTSD = expand_streams(self.embed(input_ids_BT), self.cfg.num_streams)
-        for block in self.blocks:
-            x_BTSD = self.run_checkpointed(lambda x, b=block: b(x, rope), x_BTSD)
+        for i, block in enumerate(self.blocks):
+            x_BTSD = self.run_checkpointed(
+                lambda x, b=block: b(x, rope), x_BTSD, name=f"layers.{i}"
+            )
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
 
     def mtp_hidden(self, multistream_BTSD: Tensor, input_ids_BT: Tensor) -> list[Tensor]:
@@ -111,7 +113,7 @@ class Transformer(nn.Module):
             def run(h: Tensor, e: Tensor, d: MTPDepth = depth) -> Tensor:
                 return d.block(d.merge(h, e), rope)
 
-            h_BTSD = self.run_checkpointed(run, h_BTSD, emb_BTD)
+            h_BTSD = self.run_checkpointed(run, h_BTSD, emb_BTD, name=f"mtp.{k - 1}")
             outs.append(depth.head_input(h_BTSD))
         return outs
 
