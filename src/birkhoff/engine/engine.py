@@ -1,0 +1,202 @@
+"""The inference engine: owns its weights in inference layout, generates with a KV cache.
+
+Weights: `engine.weights` is a flat dict in the layout of `birkhoff.refit.layout` (fused q/k/v and
+gate/up, the MTP drafter included); every forward reads weights from it by name, so a commit (one
+dict assignment) swaps every weight at once, and a generate call in flight keeps the dict it
+started with. `manifest()` lists every served tensor (TensorSpec: shape, dtype).
+
+Versions: `weight_version` is -1 until weights are loaded; the first commit (e.g. `from_model`)
+makes it 0 and every later commit (a refit) adds one. Completions record the version they were
+generated with.
+
+Caches are allocated once, at the engine's maximum batch size and sequence length, on the first
+generate call that needs them (the drafter's caches on the first speculative call), and reused.
+Left out: continuous batching (a call runs to completion), paged KV, CUDA graphs, tensor parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig, check
+from birkhoff.engine.decode import Completion, Generation
+from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
+from birkhoff.engine.sampling import SamplingParams
+from birkhoff.engine.speculative import SpecStats
+from birkhoff.engine.weights import Quantize, TensorSpec, build_manifest, check_weights, convert
+from birkhoff.model.layers import rope_tables
+from birkhoff.refit.layout import to_engine_layout, trainer_tensors
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        quantize: Quantize = None,
+        max_batch_size: int = 64,
+        max_seq_len: int | None = None,
+        max_speculative_tokens: int = 4,
+    ) -> None:
+        check(quantize in (None, "fp8"), "quantize", quantize, "None | 'fp8'")
+        check(
+            dtype.is_floating_point and dtype.itemsize >= 2, "dtype", dtype, "bf16/fp16/fp32/fp64"
+        )
+        check(max_batch_size >= 1, "max_batch_size", max_batch_size, "must be >= 1")
+        seq = cfg.max_seq_len if max_seq_len is None else max_seq_len
+        check(seq >= 2, "max_seq_len", seq, "must be >= 2")
+        spec = max_speculative_tokens
+        check(spec >= 0, "max_speculative_tokens", spec, "must be >= 0")
+        self.cfg, self.device, self.dtype, self.quantize = (
+            cfg,
+            torch.device(device),
+            dtype,
+            quantize,
+        )
+        self.max_batch_size, self.max_seq_len, self.max_speculative_tokens = (
+            max_batch_size,
+            seq,
+            spec,
+        )
+        self._manifest = build_manifest(cfg, dtype=dtype, quantize=quantize)
+        self.weights: dict[str, Tensor] = {
+            name: torch.zeros(s.shape, dtype=s.dtype, device=self.device)
+            for name, s in self._manifest.items()
+        }
+        self.weight_version = -1
+        # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
+        self.capacity = seq + spec + 1
+        positions = torch.arange(self.capacity, device=self.device)
+        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        self._cache: KVCache | None = None
+        self._drafter: DrafterState | None = None
+        self.last_stats: SpecStats | None = None
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, **kwargs: object) -> Engine:
+        """An engine serving `model`'s current weights (weight_version 0)."""
+        cfg = model.cfg
+        assert isinstance(cfg, ModelConfig)
+        engine = cls(cfg, **kwargs)  # type: ignore[arg-type]
+        engine.load_state(to_engine_layout(trainer_tensors(model, cfg)))
+        return engine
+
+    def manifest(self) -> dict[str, TensorSpec]:
+        return dict(self._manifest)
+
+    def commit_weights(self, new: dict[str, Tensor]) -> int:
+        """Serve `new` (exactly the manifest, converted) from now on; returns the new version."""
+        check_weights(new, self._manifest)
+        self.weights = dict(new)  # one assignment: readers see the old or the new dict, never a mix
+        self.weight_version += 1
+        return self.weight_version
+
+    def load_state(self, named: Iterable[tuple[str, Tensor]]) -> int:
+        """Load a complete engine-layout state (cast / quantized as configured) and commit it."""
+        new = dict(convert(named, self._manifest, device=self.device))
+        missing = sorted(set(self._manifest) - set(new))
+        if missing:
+            raise ValueError(f"load_state: missing tensors {missing}")
+        return self.commit_weights(new)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Complete every prompt; `params` is one SamplingParams or one per prompt."""
+        per_row = self.check_request(prompts, params)
+        weights, version = self.weights, self.weight_version
+        num_drafts = per_row[0].num_speculative_tokens
+        seed = per_row[0].seed
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        with torch.inference_mode():
+            run = Generation(
+                cfg=self.cfg, weights=weights, cache=self.main_cache(),
+                drafter=self.drafter_state() if num_drafts else None, rope=self.rope,
+                prompts=[list(p) for p in prompts], params=per_row,
+                max_seq_len=self.max_seq_len, generator=generator,
+            )  # fmt: skip
+            completions = run.run()
+        self.last_stats = run.stats if num_drafts else None
+        return [Completion(c.tokens, c.logprobs, version, c.finish_reason) for c in completions]
+
+    def main_cache(self) -> KVCache:
+        if self._cache is None:
+            cfg = self.cfg
+            self._cache = KVCache(
+                cfg.num_layers, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+        return self._cache
+
+    def drafter_state(self) -> DrafterState:
+        if self._drafter is None:
+            cfg, n = self.cfg, self.max_speculative_tokens
+            cache = KVCache(
+                n, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            streams = StreamBuffer(
+                n, self.max_batch_size, self.capacity, cfg.num_streams, cfg.dim,
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            self._drafter = DrafterState(cache, streams)
+        return self._drafter
+
+    def check_request(
+        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[SamplingParams]:
+        """Validate a generate call; ValueError naming the offending prompt or field."""
+        if self.weight_version < 0:
+            raise ValueError("engine has no weights loaded (use from_model or load_state)")
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token lists, got {prompts!r}")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(f"{len(prompts)} prompts > max_batch_size={self.max_batch_size}")
+        per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_row) != len(prompts):
+            raise ValueError(f"got {len(per_row)} SamplingParams for {len(prompts)} prompts")
+        for i, prompt in enumerate(prompts):
+            self.check_prompt(i, prompt)
+        for p in per_row:
+            self.check_params(p, per_row[0])
+        return per_row
+
+    def check_prompt(self, i: int, prompt: Sequence[int]) -> None:
+        V = self.cfg.vocab_size
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt {i} has length {len(prompt)} >= max_seq_len={self.max_seq_len} "
+                "(no room to generate)"
+            )
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt {i} holds token id {bad[0]!r} outside [0, {V})")
+
+    def check_params(self, p: SamplingParams, first: SamplingParams) -> None:
+        V, k = self.cfg.vocab_size, p.num_speculative_tokens
+        bad = [t for t in p.stop_token_ids if t >= V]
+        check(not bad, "stop_token_ids", p.stop_token_ids, f"ids must be < vocab_size={V}")
+        check(
+            k == first.num_speculative_tokens,
+            "num_speculative_tokens",
+            k,
+            "must be equal for all prompts",
+        )
+        check(p.seed == first.seed, "seed", p.seed, "must be equal for all prompts")
+        if k:
+            check(
+                self.cfg.mtp_depth >= 1, "num_speculative_tokens", k, "the model has no MTP depth"
+            )
+            limit = self.max_speculative_tokens
+            check(k <= limit, "num_speculative_tokens", k, f"engine max_speculative_tokens={limit}")

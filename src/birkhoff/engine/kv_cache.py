@@ -1,0 +1,89 @@
+"""Static, preallocated decode state: K/V caches and the MTP drafter's stream buffers.
+
+Legend: L layers, B batch rows, H kv heads, C capacity (positions), K head dim, S streams,
+D model dim, T tokens of one chunk.
+
+Layout: K and V are [L, B, H, C, K]; slot p of row b holds the token at position p of sequence
+b (sequences are right-padded: every row starts at position 0). Rolling back after rejected
+drafts is therefore only a matter of the row's length: stale slots beyond it are masked by the
+causal position mask and overwritten before any query can see them. The last slot (`trash`) is
+never read; padded chunk slots write there, so padding never clobbers a live slot.
+
+The MTP drafter has one cache layer per draft depth (depth k > M reuses depth M's weights but
+keeps its own cache: it attends over its own stream), plus one stream buffer per depth input:
+`streams[k]` holds h_k [S, D] per position (h_0 = the main model's multistream), because depth
+k+1 recomputes positions whose h_k was produced in an earlier round.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """K/V for `num_layers` attention layers of `batch` rows and `capacity` positions."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch, self.capacity = batch, capacity
+
+    @property
+    def trash(self) -> int:
+        return self.capacity - 1
+
+    def write(
+        self, layer: int, rows_A: Tensor, positions_AT: Tensor, k_ATHK: Tensor, v_ATHK: Tensor
+    ) -> None:
+        # advanced indices around a slice put the broadcast [A,T] dims first: [A,T,H,K]
+        self.k[layer][rows_A[:, None], :, positions_AT] = k_ATHK
+        self.v[layer][rows_A[:, None], :, positions_AT] = v_ATHK
+
+    def read(self, layer: int, limit: int) -> tuple[Tensor, Tensor]:
+        """K, V [B,H,limit,K] of positions 0..limit-1, as views (no copy)."""
+        assert limit < self.capacity, f"read limit {limit} reaches the trash slot"
+        return self.k[layer, :, :, :limit], self.v[layer, :, :, :limit]
+
+
+class StreamBuffer:
+    """Per-position multistream states h_0..h_{N-1}: [N, B, C, S, D]."""
+
+    def __init__(
+        self,
+        num_depths: int,
+        batch: int,
+        capacity: int,
+        num_streams: int,
+        dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_depths, batch, capacity, num_streams, dim)
+        self.h = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, depth: int, rows_A: Tensor, positions_AT: Tensor, h_ATSD: Tensor) -> None:
+        self.h[depth][rows_A[:, None], positions_AT] = h_ATSD
+
+    def read(self, depth: int, rows_A: Tensor, positions_AT: Tensor) -> Tensor:
+        return self.h[depth][rows_A[:, None], positions_AT]
+
+
+class DrafterState:
+    """The MTP drafter's caches for `num_drafts` chained depths."""
+
+    def __init__(self, cache: KVCache, streams: StreamBuffer) -> None:
+        self.cache, self.streams = cache, streams
+        self.num_drafts = cache.k.shape[0]

@@ -1,0 +1,133 @@
+"""Sampling parameters and the per-row sampling distribution.
+
+Legend: N rows (sequences, or sequences x positions flattened), V vocab.
+
+The distribution a token is sampled from (`target_logprobs`):
+- temperature > 0: logits / temperature, then top-k (keep the k largest; 0 = off), then top-p
+  (keep the smallest prefix of the sorted distribution whose mass reaches top_p; 1 = off), then
+  softmax over what is kept. The recorded logprob of a sampled token is its log-probability
+  under exactly this distribution.
+- temperature = 0 (greedy): the token is the argmax; the recorded logprob is under the
+  untempered, unfiltered softmax of the logits (what a trainer computes for the same token).
+  For sampling, greedy rows use the one-hot distribution at the argmax, which makes exact
+  rejection sampling reduce to argmax agreement with no special case.
+Everything runs in >= fp32. Left out: repetition/presence penalties, min-p, beam search.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from birkhoff.config import check
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one sequence. `max_new_tokens` may be given positionally."""
+
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these
+    seed: int | None = None  # None: nondeterministic
+    num_speculative_tokens: int = 0  # MTP drafts per verify step; 0 = plain decoding
+
+    def __post_init__(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        n = self.max_new_tokens
+        check(is_int(n) and n >= 1, "max_new_tokens", n, "must be an int >= 1")
+        t = self.temperature
+        ok_t = isinstance(t, int | float) and math.isfinite(t) and t >= 0
+        check(ok_t, "temperature", t, "must be a finite number >= 0")
+        p = self.top_p
+        check(isinstance(p, int | float) and 0 < p <= 1, "top_p", p, "must be in (0, 1]")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "must be an int >= 0")
+        stops = tuple(self.stop_token_ids)
+        ok_stops = all(is_int(s) and s >= 0 for s in stops)
+        check(ok_stops, "stop_token_ids", self.stop_token_ids, "must be ints >= 0")
+        object.__setattr__(self, "stop_token_ids", stops)
+        check(self.seed is None or is_int(self.seed), "seed", self.seed, "must be None or an int")
+        k = self.num_speculative_tokens
+        check(is_int(k) and k >= 0, "num_speculative_tokens", k, "must be an int >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling parameters as tensors, so rows with different params share a batch."""
+
+    temperature_N: Tensor
+    top_k_N: Tensor
+    top_p_N: Tensor
+    greedy_N: Tensor
+    filtered: bool  # some sampled row uses top-k or top-p (else the sort is skipped)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device) -> RowSampling:
+        greedy = [p.greedy for p in params]
+        filtered = any(
+            not g and (p.top_k > 0 or p.top_p < 1) for p, g in zip(params, greedy, strict=True)
+        )
+        return cls(
+            torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                device=device,
+            ),
+            torch.tensor(
+                [0 if g else p.top_k for p, g in zip(params, greedy, strict=True)], device=device
+            ),
+            torch.tensor(
+                [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)], device=device
+            ),
+            torch.tensor(greedy, device=device),
+            filtered,
+        )
+
+    def select(self, rows_A: Tensor, repeat: int = 1) -> RowSampling:
+        """The params of `rows_A`, each repeated `repeat` times (for [A, T] flattened logits)."""
+        t, k, p, g = (x[rows_A].repeat_interleave(repeat) for x in self[:4])
+        return RowSampling(t, k, p, g, self.filtered)
+
+
+def filter_top_k_top_p(z_NV: Tensor, top_k_N: Tensor, top_p_N: Tensor) -> Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf."""
+    sorted_NV, order_NV = z_NV.sort(dim=-1, descending=True)
+    rank_V = torch.arange(z_NV.shape[-1], device=z_NV.device)
+    drop_NV = (top_k_N[:, None] > 0) & (rank_V[None, :] >= top_k_N[:, None])
+    sorted_NV = sorted_NV.masked_fill(drop_NV, -math.inf)
+    probs_NV = sorted_NV.softmax(dim=-1)
+    mass_before_NV = probs_NV.cumsum(dim=-1) - probs_NV  # first token: 0 < top_p, always kept
+    drop_NV = drop_NV | ((top_p_N[:, None] < 1) & (mass_before_NV >= top_p_N[:, None]))
+    sorted_NV = sorted_NV.masked_fill(drop_NV, -math.inf)
+    return torch.full_like(z_NV, -math.inf).scatter(-1, order_NV, sorted_NV)
+
+
+def target_logprobs(logits_NV: Tensor, rs: RowSampling) -> Tensor:
+    """Log-probabilities of the distribution each row samples from (see the module docstring)."""
+    z_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
+    z_NV = z_NV / rs.temperature_N.to(z_NV.dtype)[:, None]
+    if rs.filtered:
+        z_NV = filter_top_k_top_p(z_NV, rs.top_k_N, rs.top_p_N)
+    return F.log_softmax(z_NV, dim=-1)
+
+
+def sampling_probs(logp_NV: Tensor, greedy_N: Tensor) -> Tensor:
+    """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
+    one_hot_NV = F.one_hot(logp_NV.argmax(dim=-1), logp_NV.shape[-1]).to(logp_NV.dtype)
+    return torch.where(greedy_N[:, None], one_hot_NV, logp_NV.exp())
+
+
+def sample(probs_NV: Tensor, generator: torch.Generator) -> Tensor:
+    """One token per row from (unnormalised, non-negative) `probs_NV`."""
+    return torch.multinomial(probs_NV, 1, generator=generator).squeeze(-1)
