@@ -43,6 +43,9 @@ from birkhoff.recompute.registry import (
 )
 
 Reclaim = Literal["safe", "always", "never"]
+# An input that always requires grad, so the outputs do even when only parameters used inside
+# `fn` (and no input) require grad; it receives no gradient.
+_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 RECLAIM_MODES = ("safe", "always", "never")
 
 
@@ -98,12 +101,17 @@ def _as_tuple(out: Any, label: str) -> tuple[Tensor, ...]:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, spec: _Spec, *args: Any) -> Any:
+    def forward(ctx: Any, spec: _Spec, anchor: Tensor, *args: Any) -> Any:
         ctx.spec, ctx.rng = spec, _RngAutocast.capture(args)
         # Inputs are held as registry holders (not save_for_backward): they count as pending
         # readers of their storage until this node's backward drops them.
         ctx.refs = [spec.registry.pack(a) if isinstance(a, Tensor) else a for a in args]
         ctx.input_requires_grad = [isinstance(a, Tensor) and a.requires_grad for a in args]
+        # Leaves that require grad are parameters or user inputs even when created inside the
+        # forward (lazy initialisation): never reclaimed, whatever the registry says.
+        ctx.reclaimable = [
+            isinstance(a, Tensor) and not (a.is_leaf and a.requires_grad) for a in args
+        ]
         with torch.no_grad():
             out = spec.fn(*args)
         outs = _as_tuple(out, spec.label)
@@ -131,9 +139,9 @@ class _Checkpoint(torch.autograd.Function):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = [x.grad if isinstance(x, Tensor) else None for x in inputs]
         del inputs, outs, pairs
-        _reclaim(spec, [r for r in refs if isinstance(r, SavedRef)])
+        _reclaim(spec, [r for r, ok in zip(refs, ctx.reclaimable, strict=True) if ok])
         del refs  # the last holder of a marked storage frees it (registry.release)
-        return (None, *input_grads)
+        return (None, None, *input_grads)
 
 
 def _detached_input(ref: Any, requires_grad: bool) -> Any:
@@ -211,4 +219,4 @@ def checkpoint(
         registry = StorageRegistry()  # private: holds this checkpoint's inputs only
     spec = _Spec(fn=fn, reclaim=reclaim, label=label, registry=registry)
     with _recording_paused(registry):
-        return _Checkpoint.apply(spec, *args)
+        return _Checkpoint.apply(spec, _GRAD_ANCHOR, *args)

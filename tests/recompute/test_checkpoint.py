@@ -1,0 +1,133 @@
+"""checkpoint(): numerics against the plain function, RNG and autocast replay, contract errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from birkhoff.recompute import checkpoint, track_saved_storages
+
+RECLAIMS = ["never", "safe", "always"]
+
+
+def two_outputs(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    h = torch.tanh(x @ w)
+    return h.sin(), (h * x).sum(dim=-1)
+
+
+def loss_and_grads(fn, x0: Tensor, w: Tensor, reclaim: str | None) -> tuple[Tensor, ...]:
+    x0.grad, w.grad = None, None
+    with track_saved_storages():
+        x = x0 * 1.5  # an activation: allocated during the tracked forward
+        a, b = two_outputs(x, w) if reclaim is None else checkpoint(fn, x, w, reclaim=reclaim)
+        loss = a.square().sum() + b.sum()
+    loss.backward()
+    return loss.detach(), x0.grad, w.grad
+
+
+@pytest.mark.parametrize("reclaim", RECLAIMS)
+def test_matches_plain_function_fp64(reclaim: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    ref = loss_and_grads(two_outputs, x0, w, None)
+    got = loss_and_grads(two_outputs, x0, w, reclaim)
+    for r, o in zip(ref, got, strict=True):
+        assert torch.equal(r, o)
+
+
+def test_rng_state_is_replayed() -> None:
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def noisy(x: Tensor) -> Tensor:
+        return F.dropout(x @ w, p=0.5, training=True) + torch.rand_like(x)
+
+    grads = []
+    for use_checkpoint in (False, True):
+        w.grad = None
+        torch.manual_seed(3)
+        with track_saved_storages():
+            x = torch.ones(4, 8, dtype=torch.float64) * 2.0
+            y = checkpoint(noisy, x, reclaim="safe") if use_checkpoint else noisy(x)
+        (y * torch.arange(8.0, dtype=torch.float64)).sum().backward()
+        grads.append(w.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_cpu_autocast_is_replayed() -> None:
+    w = torch.randn(16, 16, requires_grad=True)
+    x0 = torch.randn(4, 16, requires_grad=True)
+    grads = []
+    for use_checkpoint in (False, True):
+        w.grad = x0.grad = None
+        with track_saved_storages(), torch.autocast("cpu", dtype=torch.bfloat16):
+            x = x0 * 1.0
+            fn = lambda x: torch.tanh(x @ w)  # noqa: E731
+            y = checkpoint(fn, x, reclaim="safe") if use_checkpoint else fn(x)
+            assert y.dtype == torch.bfloat16
+        y.float().sum().backward()  # backward outside autocast: the rerun must re-enter it
+        grads.append((w.grad.clone(), x0.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_safe_outside_tracking_names_the_context() -> None:
+    x = torch.randn(3, requires_grad=True) * 2
+    with pytest.raises(RuntimeError, match="track_saved_storages"):
+        checkpoint(torch.sin, x, reclaim="safe", name="blk")
+
+
+def test_no_grad_runs_fn_directly() -> None:
+    x = torch.randn(3)
+    with torch.no_grad():
+        assert torch.equal(checkpoint(torch.sin, x, reclaim="safe"), x.sin())
+
+
+def test_invalid_reclaim_names_the_value() -> None:
+    with pytest.raises(ValueError, match="reclaim='sometimes'"):
+        checkpoint(torch.sin, torch.randn(2), reclaim="sometimes")  # type: ignore[arg-type]
+
+
+def test_bad_return_type() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match="tuple of tensors"):
+        checkpoint(lambda t: [t.sin()], x, reclaim="never")
+
+
+def test_in_place_change_of_an_input_is_detected() -> None:
+    w = torch.randn(3, requires_grad=True)
+    with track_saved_storages():
+        x = torch.ones(3) * 2.0
+        y = checkpoint(lambda t: t * w, x, reclaim="safe", name="scale")
+        x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+def test_second_backward_is_refused() -> None:
+    w = torch.randn(3, requires_grad=True)
+    y = checkpoint(lambda t: (t * w).sum(), torch.ones(3), reclaim="never", name="once")
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="'once': backward ran twice"):
+        y.backward()
+
+
+def test_safe_never_frees_parameters_buffers_or_user_inputs() -> None:
+    lin = torch.nn.Linear(4, 4)
+    lin.register_buffer("scale", torch.full((4,), 2.0))
+    user = torch.randn(3, 4, requires_grad=True)
+    with track_saved_storages():
+        lazy = torch.zeros(4, requires_grad=True)  # a leaf created inside the forward
+        act = user * 3.0
+        outs = [
+            checkpoint(lambda t: lin(t), user, reclaim="safe"),
+            checkpoint(lambda t: t * user, lin.weight.view(16)[:4], reclaim="safe"),
+            checkpoint(lambda t: t * user, lin.scale.detach(), reclaim="safe"),
+            checkpoint(lambda t: t * user, lazy, reclaim="safe"),
+            checkpoint(lambda t: lin(t), act, reclaim="safe"),
+        ]
+    sum(o.sum() for o in outs).backward()
+    for kept in (user, lin.weight, lin.scale, lazy):
+        assert kept.untyped_storage().nbytes() > 0
+    assert act.untyped_storage().nbytes() == 0  # the activation input was reclaimed
