@@ -82,7 +82,8 @@ class BucketPacker:
         self.num_buffers = num_buffers
         self._pool: list[Tensor] = []
         self._index = 0
-        self._pos = 0
+        self._pos = 0  # next aligned write offset
+        self._used = 0  # end of the last chunk written
         self._entries: list[BucketEntry] = []
         self._buffer = self._next_buffer()
 
@@ -95,9 +96,9 @@ class BucketPacker:
         return self._pool[slot]
 
     def _close(self) -> Bucket:
-        bucket = Bucket(self._index, self._buffer[: self._pos], self._entries)
+        bucket = Bucket(self._index, self._buffer[: self._used], self._entries)
         self._index += 1
-        self._pos, self._entries = 0, []
+        self._pos, self._used, self._entries = 0, 0, []
         self._buffer = self._next_buffer()
         return bucket
 
@@ -123,11 +124,12 @@ class BucketPacker:
                 self._entries.append(
                     BucketEntry(name, dtype, shape, self._pos, nbytes, done, total)
                 )
-                self._pos = min(_align(self._pos + nbytes), self.bucket_bytes)
+                self._used = self._pos + nbytes
+                self._pos = min(_align(self._used), self.bucket_bytes)
                 start += count
                 done += nbytes
-        if total == 0:  # an empty tensor still announces itself
-            self._entries.append(BucketEntry(name, dtype, shape, self._pos, 0, 0, 0))
+        if total == 0:  # an empty tensor still announces itself (offset is meaningless)
+            self._entries.append(BucketEntry(name, dtype, shape, 0, 0, 0, 0))
 
     def flush(self) -> Iterator[Bucket]:
         """Yield the last, partly filled bucket (if it holds anything)."""
