@@ -1,4 +1,4 @@
-"""RefitSession and refit(): no false alarms at any bucket size, every fault named, atomic commit."""
+"""RefitSession and refit(): no false alarm at any bucket size, each fault named, atomic commit."""
 
 from __future__ import annotations
 
