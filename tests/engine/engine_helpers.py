@@ -52,3 +52,20 @@ def train_briefly(cfg: ModelConfig, *, steps: int, seed: int = 0) -> Transformer
 def trained_tiny_model() -> Transformer:
     # one layer and 5 Sinkhorn iterations keep this at ~2 s of CPU; the engine reads both from cfg
     return train_briefly(tiny_config(num_layers=1, sinkhorn_iters=5), steps=40)
+
+
+def chi_square_pvalue(
+    counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
+) -> float:
+    """Pearson goodness-of-fit p-value of `counts` against `probs` (bins with expected count
+    below `min_expected` are pooled into one bin, as the chi-square approximation needs)."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat((counts[~small], counts[small].sum()[None]))
+    exp = torch.cat((expected[~small], expected[small].sum()[None]))
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(float(obs.numel() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
