@@ -1,0 +1,113 @@
+"""Engine API: manifest, weight commits and versions, input validation, fp8 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import tiny_config
+
+from birkhoff.engine import Engine, SamplingParams, TensorSpec
+from birkhoff.model import Transformer
+from birkhoff.refit.layout import engine_shapes, is_matmul_weight, to_engine_layout, trainer_tensors
+
+PROMPTS = [[1, 2, 3], [4, 5]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(tiny_config(tie_embeddings=True)).eval()
+
+
+def test_manifest_lists_every_served_tensor(model: Transformer) -> None:
+    engine = Engine(model.cfg)
+    manifest = engine.manifest()
+    shapes = engine_shapes(model.cfg)
+    assert set(manifest) == set(shapes) and any(n.startswith("mtp.1.") for n in manifest)
+    assert all(spec == TensorSpec(shapes[n], torch.float32) for n, spec in manifest.items())
+    assert set(engine.weights) == set(manifest) and engine.weight_version == -1
+
+
+def test_fp8_manifest_and_logprob_drift(model: Transformer) -> None:
+    cfg = model.cfg
+    engine = Engine.from_model(model, quantize="fp8")
+    manifest = engine.manifest()
+    for name, shape in engine_shapes(cfg).items():
+        if is_matmul_weight(name):
+            assert manifest[name] == TensorSpec(shape, torch.float8_e4m3fn)
+            scale = ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
+            assert manifest[name + "_scale_inv"] == TensorSpec(scale, torch.float32)
+        else:  # norms, embeddings (tied lm_head included), mHC coefficients
+            assert manifest[name] == TensorSpec(shape, torch.float32)
+    assert all(engine.weights[n].dtype == s.dtype for n, s in manifest.items())
+    ref = Engine.from_model(model)
+    params = SamplingParams(6, temperature=1.0, seed=0)
+    out, out_ref = engine.generate(PROMPTS, params), ref.generate(PROMPTS, params)
+    drift = max(abs(a - b) for c, r in zip(out, out_ref, strict=True)
+                for a, b in zip(c.logprobs, r.logprobs, strict=True))  # fmt: skip
+    print(f"fp8 vs fp32 max logprob drift: {drift:.2e}")
+    assert drift < 0.05
+
+
+def test_commit_swaps_weights_and_bumps_version(model: Transformer) -> None:
+    engine = Engine.from_model(model)
+    assert engine.weight_version == 0
+    before = engine.generate(PROMPTS, SamplingParams(4))
+    new = {n: t.clone() for n, t in engine.weights.items()}
+    new["norm.weight"].mul_(-1.0)  # logits change sign: argmax becomes argmin
+    old = engine.weights
+    assert engine.commit_weights(new) == 1 and engine.weights is not old
+    after = engine.generate(PROMPTS, SamplingParams(4))
+    assert [c.weight_version for c in after] == [1, 1] and before[0].weight_version == 0
+    assert [c.tokens for c in after] != [c.tokens for c in before]
+    with pytest.raises(AssertionError, match="missing"):
+        engine.commit_weights({n: t for n, t in new.items() if n != "mtp.1.norm.weight"})
+    assert engine.weight_version == 1
+
+
+def test_load_state_equals_from_model(model: Transformer) -> None:
+    engine = Engine(model.cfg)
+    assert engine.load_state(to_engine_layout(trainer_tensors(model, model.cfg))) == 0
+    ref = Engine.from_model(model)
+    assert all(torch.equal(engine.weights[n], ref.weights[n]) for n in ref.weights)
+    with pytest.raises(ValueError, match="missing tensors"):
+        engine.load_state([("norm.weight", torch.ones(model.cfg.dim))])
+    with pytest.raises(ValueError, match="norm.weight: shape"):
+        engine.load_state([("norm.weight", torch.ones(3))])
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([[1], []], SamplingParams(2), "prompt 1 is empty"),
+        ([list(range(48))], SamplingParams(2), "prompt 0 has length 48 >= max_seq_len=48"),
+        ([[1, 16]], SamplingParams(2), "token id 16 outside"),
+        ([[1, -1]], SamplingParams(2), "token id -1 outside"),
+        ([], SamplingParams(2), "non-empty list"),
+        ([[1]] * 65, SamplingParams(2), "max_batch_size=64"),
+        ([[1]], SamplingParams(2, stop_token_ids=(16,)), "stop_token_ids"),
+        ([[1]], SamplingParams(2, num_speculative_tokens=5), "num_speculative_tokens=5"),
+        ([[1], [2]], [SamplingParams(2)], "1 SamplingParams for 2 prompts"),
+        ([[1], [2]], [SamplingParams(2, seed=1), SamplingParams(2, seed=2)], "seed"),
+    ],
+)
+def test_bad_requests_raise_value_error(
+    model: Transformer, prompts: list[list[int]], params: SamplingParams, match: str
+) -> None:
+    engine = Engine.from_model(model)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, params)
+
+
+def test_construction_and_drafter_errors() -> None:
+    cfg = tiny_config(mtp_depth=0)
+    with pytest.raises(ValueError, match="quantize"):
+        Engine(cfg, quantize="int4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Engine(cfg, max_batch_size=0)
+    engine = Engine(cfg)
+    with pytest.raises(ValueError, match="no weights loaded"):
+        engine.generate([[1]], SamplingParams(2))
+    engine = Engine.from_model(Transformer(cfg))
+    with pytest.raises(ValueError, match="no MTP depth"):
+        engine.generate([[1]], SamplingParams(2, num_speculative_tokens=1))

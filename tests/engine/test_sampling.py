@@ -1,0 +1,83 @@
+"""Sampling parameters and the sampling distribution (temperature, top-k, top-p, greedy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from birkhoff.engine.sampling import (
+    RowSampling,
+    SamplingParams,
+    filter_top_k_top_p,
+    sampling_probs,
+    target_logprobs,
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 2.0),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("stop_token_ids", (1, -2)),
+        ("seed", 1.5),
+        ("num_speculative_tokens", -1),
+    ],
+)
+def test_invalid_params_name_the_field(field: str, value: object) -> None:
+    kwargs: dict[str, object] = {"max_new_tokens": 4, field: value}
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_defaults_and_positional_max_new_tokens() -> None:
+    p = SamplingParams(8, stop_token_ids=[3, 4])  # type: ignore[arg-type]
+    assert p.greedy and p.top_p == 1 and p.top_k == 0 and p.num_speculative_tokens == 0
+    assert p.stop_token_ids == (3, 4)
+
+
+def naive_filter(z: list[float], top_k: int, top_p: float) -> list[float]:
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    keep = order[:top_k] if top_k else order
+    total = sum(math.exp(z[i]) for i in keep)
+    kept, mass = [], 0.0
+    for i in keep:
+        if top_p < 1 and mass >= top_p:
+            break
+        kept.append(i)
+        mass += math.exp(z[i]) / total
+    return [z[i] if i in kept else -math.inf for i in range(len(z))]
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (3, 1.0), (0, 0.6), (4, 0.8), (1, 0.5)])
+def test_top_k_top_p_filter_matches_naive(top_k: int, top_p: float) -> None:
+    z_NV = torch.randn(6, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out_NV = filter_top_k_top_p(z_NV, torch.full((6,), top_k), torch.full((6,), top_p))
+    rows = [naive_filter(row, top_k, top_p) for row in z_NV.tolist()]
+    expected = torch.tensor(rows, dtype=torch.float64)
+    assert torch.equal(out_NV, expected)
+
+
+def test_target_logprobs_per_row_params() -> None:
+    params = [
+        SamplingParams(1),  # greedy: untempered softmax
+        SamplingParams(1, temperature=0.5),
+        SamplingParams(1, temperature=2.0, top_k=2),
+    ]
+    rs = RowSampling.build(params, torch.device("cpu"))
+    logits_NV = torch.tensor([[1.0, 2.0, 3.0, 0.5]] * 3, dtype=torch.float64)
+    logp_NV = target_logprobs(logits_NV, rs)
+    torch.testing.assert_close(logp_NV[0], logits_NV[0].log_softmax(-1))
+    torch.testing.assert_close(logp_NV[1], (logits_NV[1] / 0.5).log_softmax(-1))
+    top2 = torch.tensor([-math.inf, 1.0, 1.5, -math.inf], dtype=torch.float64)
+    torch.testing.assert_close(logp_NV[2], top2.log_softmax(-1))
+    probs_NV = sampling_probs(logp_NV, rs.greedy_N)
+    assert probs_NV[0].tolist() == [0.0, 0.0, 1.0, 0.0]  # greedy samples the argmax
+    torch.testing.assert_close(probs_NV[1:], logp_NV[1:].exp())
