@@ -1,0 +1,123 @@
+"""The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
+
+Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
+`run_<name>(args) -> int` in `SUBCOMMANDS`, so `run`, `generate` and `bench` are added by adding
+one entry. User errors (unknown preset, unwritable output directory, bad override) print one
+clear line to stderr and exit with code 2 before anything is written; argparse's own errors use
+code 2 as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A user error the CLI reports as one line with exit code 2."""
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine")
+    return name
+
+
+def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """Create `out` (if needed) and check it is writable and holds no previous run's outputs."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    clashes = [name for name in outputs if (out / name).exists()]
+    if clashes and not overwrite:
+        raise UsageError(f"--out {out}: already holds {clashes}; pass --overwrite to replace")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {out}: not writable ({err.strerror or err})") from err
+
+
+# ---------------------------------------------------------------------------- train
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from birkhoff.presets import get_preset
+
+    try:
+        preset = get_preset(args.preset)
+        overrides = {"num_steps": args.steps, "seed": args.seed}
+        train = preset.train.replace(**{k: v for k, v in overrides.items() if v is not None})
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    preset = preset.replace(train=train)
+    device = resolve_device(args.device)
+    prepare_out_dir(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
+
+    import torch
+
+    from birkhoff.train.loop import run_training, summary_lines
+
+    threads = args.threads or preset.num_threads
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+    summary = run_training(preset, args.out, device=torch.device(device),
+                           progress=not args.no_progress)  # fmt: skip
+    for line in summary_lines(summary):
+        print(line)
+    return 0
+
+
+# ---------------------------------------------------------------------------- entry point
+
+SUBCOMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
+] = {
+    "train": ("supervised training of a preset on its task", add_train_arguments, run_train),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="birkhoff", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(command)
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except UsageError as err:
+        print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Reinforcement learning on verifiable tasks: tasks and rewards, advantages, losses, the loop."""

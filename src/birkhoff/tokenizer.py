@@ -1,0 +1,68 @@
+"""A character-level tokenizer shipped in code, sized for the built-in tasks.
+
+Design choices:
+- The vocabulary is fixed in code (no file to ship or lose): three special ids first
+  (pad 0, bos 1, eos 2), then digits, lowercase letters and the few punctuation marks the task
+  prompts use. It stays under 64 ids, so the embedding and the lm_head are tiny.
+- Special tokens have no text form: `encode` can never produce them from user text, so a prompt
+  cannot inject an EOS. `decode` skips pad and bos and stops at the first eos, i.e. it returns
+  exactly the text a model "said" before ending its answer.
+- Unknown characters raise ValueError naming the character and its position; silently mapping
+  them to an UNK id would hide task/tokenizer mismatches.
+Left out: byte fallback, merges (BPE), uppercase; none of the built-in tasks need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz +-*=,:;.?>()"
+
+
+class CharTokenizer:
+    """Character-level tokenizer: one id per character, plus pad/bos/eos special ids."""
+
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+
+    def __init__(self, characters: str = CHARACTERS) -> None:
+        if len(set(characters)) != len(characters):
+            raise ValueError(f"characters={characters!r} contains duplicates")
+        self.characters = characters
+        offset = len(SPECIAL_TOKENS)
+        self._id_of = {c: i + offset for i, c in enumerate(characters)}
+        self._char_of = dict(enumerate(characters, start=offset))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(SPECIAL_TOKENS) + len(self.characters)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the characters of `text` (no special tokens added)."""
+        ids = []
+        for pos, char in enumerate(text):
+            token = self._id_of.get(char)
+            if token is None:
+                raise ValueError(
+                    f"character {char!r} at position {pos} of text {text!r} is not in the "
+                    f"tokenizer vocabulary {self.characters!r}"
+                )
+            ids.append(token)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to (not including) the first eos; pad and bos are skipped."""
+        chars = []
+        for token in ids:
+            token = int(token)
+            if token == self.eos_id:
+                break
+            if token in (self.pad_id, self.bos_id):
+                continue
+            char = self._char_of.get(token)
+            if char is None:
+                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
+            chars.append(char)
+        return "".join(chars)

@@ -1,0 +1,58 @@
+"""TrainConfig: the optimisation hyper-parameters of a training run.
+
+Frozen, slotted, keyword-only; invalid values raise ValueError naming the field and the value.
+Defaults are a reasonable small-model AdamW setup (betas 0.9/0.95, wd 0.1, clip 1.0), not a
+recipe for any particular scale; presets.py sets them per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from birkhoff.config import check
+
+AmpDtype = Literal["none", "bf16"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """AdamW + warmup/cosine schedule + clipping + optional bf16 autocast (CUDA only)."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at num_steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (norm still reported)
+    warmup_steps: int = 100
+    num_steps: int = 1000
+    batch_size: int = 32
+    seed: int = 0
+    amp_dtype: AmpDtype = "none"
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "eps"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value > 0, name, value, "must be finite and > 0")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, name, value, "must be finite and >= 0")
+        r = self.min_lr_ratio
+        check(0 <= r <= 1, "min_lr_ratio", r, "must be in [0, 1]")
+        b = self.betas
+        check(
+            len(b) == 2 and all(0 <= x < 1 for x in b), "betas", b, "must be two values in [0, 1)"
+        )
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        for name in ("num_steps", "batch_size", "log_every"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
+        check(isinstance(self.seed, int), "seed", self.seed, "must be an int")
+        check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)

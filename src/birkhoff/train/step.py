@@ -1,0 +1,125 @@
+"""One optimisation step: forward (in the right context), loss, backward, clip, AdamW step.
+
+Legend: B batch, T tokens, V vocab.
+
+Design choices:
+- `forward_context(model, cfg)` is the single place that decides what wraps the forward:
+  bf16 autocast (CUDA only; asking for it on another device is a ValueError, not a silent fp32
+  run) and, when `model.cfg.recompute == "full"`, `birkhoff.recompute.track_saved_storages()`,
+  which feeds the registry that makes safe reclaim safe. The import is lazy so this module has no
+  hard dependency on the recompute package.
+- The loss is pluggable: `loss_fn(model, batch) -> (loss, metrics)`. The default is the
+  supervised next-token + MTP loss on a `SupervisedBatch`; the RL loop passes its own (GRPO).
+  Metrics may be tensors; they are converted to floats once, after backward, so a CUDA step
+  synchronises once.
+- The learning rate comes from `lr_at(step, cfg)`, a pure function of the step, so resuming at
+  step k reproduces the same schedule.
+- A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
+  changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
+Left out: gradient accumulation, loss scaling (bf16 needs none), distributed data parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from birkhoff.model.mtp import shift_targets
+from birkhoff.train.config import TrainConfig
+from birkhoff.train.optim import lr_at, set_lr
+
+Metrics = dict[str, float | Tensor]
+LossFn = Callable[[nn.Module, Any], tuple[Tensor, Metrics]]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextmanager
+def forward_context(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
+    """Autocast (bf16 on CUDA) and recompute tracking (recompute == "full") for a forward."""
+    with ExitStack() as stack:
+        if cfg.amp_dtype == "bf16":
+            device = model_device(model)
+            if device.type != "cuda":
+                raise ValueError(f"amp_dtype='bf16' needs a CUDA model; the model is on {device}")
+            stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+        model_cfg = getattr(model, "cfg", None)
+        if getattr(model_cfg, "recompute", "none") == "full":
+            from birkhoff.recompute import track_saved_storages
+
+            stack.enter_context(track_saved_storages())
+        yield
+
+
+@torch.no_grad()
+def answer_accuracy(
+    logits_BTV: Tensor, labels_BT: Tensor, mask_BT: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(token accuracy, sequence exact match) of the main head's argmax on masked targets.
+
+    With teacher forcing, a sequence whose every masked target is the argmax is exactly what
+    greedy decoding would produce, so the sequence figure equals greedy exact-match accuracy.
+    """
+    targets_BT, in_BT = shift_targets(labels_BT, mask_BT.bool(), 1)
+    hit_BT = logits_BTV.argmax(dim=-1) == targets_BT
+    token_acc = (hit_BT & in_BT).sum() / in_BT.sum().clamp(min=1)
+    has_target_B = in_BT.any(dim=1)
+    all_hit_B = (hit_BT | ~in_BT).all(dim=1) & has_target_B
+    seq_acc = all_hit_B.sum() / has_target_B.sum().clamp(min=1)
+    return token_acc, seq_acc
+
+
+def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
+    """L_main + lambda/M sum_k L_k on a SupervisedBatch (labels = input ids, answer mask)."""
+    out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.loss_mask)
+    metrics: Metrics = {"main_loss": out.main_loss.detach()}
+    for k, mtp_loss in enumerate(out.mtp_losses, start=1):
+        metrics[f"mtp_loss_{k}"] = mtp_loss.detach()
+    if out.mtp_losses:
+        metrics["mtp_loss"] = torch.stack(out.mtp_losses).detach().mean()
+    token_acc, seq_acc = answer_accuracy(out.logits, batch.input_ids, batch.loss_mask)
+    metrics["token_acc"], metrics["seq_acc"] = token_acc, seq_acc
+    return out.loss, metrics
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    cfg: TrainConfig,
+    *,
+    step: int,
+    loss_fn: LossFn | None = None,
+) -> dict[str, float]:
+    """Forward + loss + backward + clip + AdamW step at the lr of `step`; returns float metrics.
+
+    Keys: loss, the loss_fn's metrics (default: main_loss, mtp_loss_k, mtp_loss, token_acc,
+    seq_acc), grad_norm (before clipping), lr, skipped (1.0 if the step was not applied).
+    """
+    if step < 0:
+        raise ValueError(f"step={step} is invalid: must be >= 0")
+    model.train()
+    lr = lr_at(step, cfg)
+    set_lr(optimizer, lr)
+    optimizer.zero_grad(set_to_none=True)
+    with forward_context(model, cfg):
+        loss, metrics = (loss_fn or supervised_loss)(model, batch)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    applied = bool(torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    result = {"loss": float(loss.detach())}
+    result.update({name: float(value) for name, value in metrics.items()})
+    result.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if applied else 1.0)
+    return result
