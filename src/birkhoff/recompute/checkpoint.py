@@ -39,6 +39,7 @@ from birkhoff.recompute.registry import (
     StorageRegistry,
     active_recorder,
     active_registry,
+    free_storage,
     storage_key,
 )
 
@@ -132,11 +133,13 @@ class _Checkpoint(torch.autograd.Function):
                 "inputs for retain_graph=True"
             )
         inputs = [_detached_input(r, g) for r, g in zip(refs, ctx.input_requires_grad, strict=True)]
-        with _shielded(), ctx.rng.restore(), torch.enable_grad():
+        saved_keys: set[int] = set()
+        with _rerun_hooks(saved_keys), ctx.rng.restore(), torch.enable_grad():
             outs = _as_tuple(spec.fn(*inputs), spec.label)
-            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+        _free_unsaved_outputs(outs, saved_keys, inputs)
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = [x.grad if isinstance(x, Tensor) else None for x in inputs]
         del inputs, outs, pairs
         _reclaim(spec, [r for r, ok in zip(refs, ctx.reclaimable, strict=True) if ok])
@@ -162,22 +165,42 @@ def _reclaim(spec: _Spec, refs: list[SavedRef]) -> None:
 
 
 @contextlib.contextmanager
-def _shielded() -> Iterator[None]:
-    """Keep the rerun out of any active tracking context (hooks and allocation recording)."""
+def _rerun_hooks(saved_keys: set[int]) -> Iterator[None]:
+    """Saved-tensor hooks of the rerun: note which storages its nodes save, and nothing else.
+
+    They also keep the rerun out of an active tracking context (its hooks and recording).
+    """
+
+    def pack(t: Tensor) -> Tensor:
+        key = storage_key(t)
+        if key is not None:
+            saved_keys.add(key)
+        return t
+
     registry = active_registry()
-    if registry is None:
-        yield
-        return
-    registry.record_paused += 1
+    if registry is not None:
+        registry.record_paused += 1
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
             yield
     finally:
-        registry.record_paused -= 1
+        if registry is not None:
+            registry.record_paused -= 1
 
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _free_unsaved_outputs(outs: tuple[Tensor, ...], saved_keys: set[int], inputs: list) -> None:
+    """Free rerun outputs no node saved: backward needs only their grad_fn, not their data.
+
+    torch.utils.checkpoint (non-reentrant) gets the same saving by stopping the rerun early.
+    """
+    keep = saved_keys | {storage_key(x) for x in inputs if isinstance(x, Tensor)}
+    for o in outs:
+        if not o._is_view() and storage_key(o) not in keep:
+            free_storage(o)
 
 
 @contextlib.contextmanager

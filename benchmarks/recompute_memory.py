@@ -1,0 +1,241 @@
+"""Peak memory and step time of one training step under each recompute variant.
+
+Variants, all on the same mHC + MTP model and batch:
+  none              no recompute (every activation kept for backward)
+  torch_checkpoint  torch.utils.checkpoint (non-reentrant) around every block and MTP depth
+  never             birkhoff checkpoint, reclaim="never" (plain recompute, no registry)
+  safe              birkhoff checkpoint, reclaim="safe" (registry + safe early reclaim)
+  always            birkhoff checkpoint, reclaim="always" (the unconditional free; --with-always)
+A step is forward + loss + backward + AdamW step, after one warm-up step (optimizer state exists).
+Peak memory: on CPU the peak of live tensor bytes allocated during the step (a dispatch mode
+that re-reads storage sizes after every op); on CUDA `torch.cuda.max_memory_allocated` minus the
+bytes allocated before the step (parameters, gradients-free, optimizer state), bf16 autocast.
+Ratios are reported against "never" and "torch_checkpoint" measured in the same run.
+
+  python benchmarks/recompute_memory.py --device cpu --quick
+  python benchmarks/recompute_memory.py --device cpu
+  python benchmarks/recompute_memory.py --device cuda          # ~120M params, S=4, M=1, T=2048
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+      python benchmarks/recompute_memory.py --device cuda --sanitizer-case always   # or safe
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+from birkhoff.model import Transformer
+from birkhoff.recompute import PeakLiveBytes, track_saved_storages
+
+VARIANTS = ("none", "torch_checkpoint", "never", "safe")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def model_config(args: argparse.Namespace, variant: str) -> ModelConfig:
+    reclaim = variant if variant in ("never", "safe", "always") else "never"
+    return ModelConfig(
+        vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
+        num_streams=args.streams, mtp_depth=args.mtp, max_seq_len=args.seq,
+        recompute="none" if variant == "none" else "full", reclaim=reclaim,
+    )  # fmt: skip
+
+
+def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
+    out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def build(args: argparse.Namespace, variant: str) -> tuple[Transformer, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Transformer(model_config(args, variant)).to(args.device)
+    if variant == "torch_checkpoint":
+        model.run_checkpointed = torch_checkpointed  # type: ignore[method-assign]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, variant: str) -> None:
+    opt.zero_grad(set_to_none=True)
+    with contextlib.ExitStack() as stack:
+        if ids.is_cuda:
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        if variant in ("safe", "always"):  # "never" runs without the registry: its baseline
+            stack.enter_context(track_saved_storages())
+        loss = model(ids, labels=ids).loss
+    assert loss is not None
+    loss.backward()
+    opt.step()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def peak_meter(device: str) -> Iterator[dict[str, int]]:
+    """Yields a dict filled with peak bytes (and the bytes live before) for the enclosed code."""
+    result: dict[str, int] = {}
+    if device == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        yield result
+        sync(device)
+        result["before"], result["peak"] = base, torch.cuda.max_memory_allocated() - base
+        return
+    with PeakLiveBytes() as tracker:
+        yield result
+    result["before"], result["peak"] = 0, tracker.peak_bytes
+
+
+def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, Any]:
+    model, opt = build(args, variant)
+    try:
+        train_step(model, opt, ids, variant)  # warm-up: optimizer state, allocator pools
+        with peak_meter(args.device) as mem:
+            train_step(model, opt, ids, variant)
+        times = []
+        for _ in range(args.repeats):
+            sync(args.device)
+            start = time.perf_counter()
+            train_step(model, opt, ids, variant)
+            sync(args.device)
+            times.append(time.perf_counter() - start)
+    except RuntimeError as err:  # "always" may read freed storage
+        return {"status": f"failed: {str(err).splitlines()[0][:160]}"}
+    finally:
+        del model, opt
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
+            "step_ms": 1e3 * statistics.median(times), "num_timed_steps": len(times)}  # fmt: skip
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    ok = {k: v for k, v in rows.items() if v["status"] == "ok"}
+    out: dict[str, float] = {}
+    if "safe" in ok and "never" in ok:
+        out["safe_peak_over_never"] = ok["safe"]["peak_bytes"] / ok["never"]["peak_bytes"]
+        out["registry_step_overhead"] = ok["safe"]["step_ms"] / ok["never"]["step_ms"] - 1.0
+    if "safe" in ok and "torch_checkpoint" in ok:
+        torch_peak = ok["torch_checkpoint"]["peak_bytes"]
+        out["safe_peak_over_torch_checkpoint"] = ok["safe"]["peak_bytes"] / torch_peak
+    if "safe" in ok and "none" in ok:
+        out["safe_peak_over_no_recompute"] = ok["safe"]["peak_bytes"] / ok["none"]["peak_bytes"]
+    return out
+
+
+def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
+    ref = rows.get("never", {})
+    print(f"\n{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'step ms':>10}{'vs never':>10}")
+    for name, row in rows.items():
+        if row["status"] != "ok":
+            print(f"{name:<18}{row['status']}")
+            continue
+        peak, ms = row["peak_bytes"], row["step_ms"]
+        rel_peak = peak / ref["peak_bytes"] if ref.get("status") == "ok" else float("nan")
+        rel_ms = ms / ref["step_ms"] if ref.get("status") == "ok" else float("nan")
+        print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{ms:>10.1f}{rel_ms:>10.3f}")
+    cuda_what = "torch.cuda.max_memory_allocated above the bytes allocated before the step"
+    cpu_what = "peak live bytes of tensors allocated during the step"
+    print(f"(peak: {cuda_what if device == 'cuda' else cpu_what})")
+
+
+def run_sanitizer_case(args: argparse.Namespace) -> int:
+    """One small step with reclaim=args.sanitizer_case, for compute-sanitizer memcheck."""
+    # Without the caching allocator a freed storage goes back to the driver, so memcheck sees
+    # any later read of it. Read at the first CUDA allocation, so setting it here is in time.
+    os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    small = argparse.Namespace(**{**vars(args), "dim": 128, "layers": 2, "heads": 4,
+                                  "seq": 256, "vocab": 512})  # fmt: skip
+    ids = torch.randint(0, small.vocab, (2, small.seq), device=args.device)
+    model, opt = build(small, args.sanitizer_case)
+    try:
+        train_step(model, opt, ids, args.sanitizer_case)
+        sync(args.device)
+    except RuntimeError as err:
+        print(f"sanitizer case {args.sanitizer_case}: step failed: {err}")
+        return 1
+    print(f"sanitizer case {args.sanitizer_case}: step completed")
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.add_argument("--dim", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--mtp", type=int, default=1)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--with-always", action="store_true", help="also run reclaim='always' last")
+    p.add_argument("--sanitizer-case", choices=("always", "safe"))
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    sizes = {
+        "cuda": dict(dim=768, layers=12, heads=12, vocab=16384, seq=2048, batch=4, repeats=10),
+        "cpu": dict(dim=128, layers=4, heads=4, vocab=2048, seq=256, batch=2, repeats=3),
+        "quick": dict(dim=64, layers=2, heads=4, vocab=256, seq=64, batch=2, repeats=2),
+    }
+    for key, value in sizes["quick" if args.quick else args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    if args.sanitizer_case:
+        return run_sanitizer_case(args)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
+    num_params = sum(p.numel() for p in Transformer(model_config(args, "none")).parameters())
+    shape = f"dim={args.dim} layers={args.layers} S={args.streams} M={args.mtp}"
+    print(
+        f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"
+    )
+    variants = VARIANTS + (("always",) if args.with_always else ())
+    rows = {v: measure(args, v, ids) for v in variants}
+    print_table(rows, args.device)
+    summary = ratios(rows)
+    for key, value in summary.items():
+        print(f"{key}: {value:+.4f}" if "overhead" in key else f"{key}: {value:.4f}")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report = {"device": args.device, "num_params": num_params, "config": config,
+              "torch": torch.__version__, "variants": rows, "ratios": summary}  # fmt: skip
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    out = (
+        args.out or RESULTS / f"recompute_memory-{args.device}{'-quick' if args.quick else ''}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
