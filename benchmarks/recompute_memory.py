@@ -120,11 +120,18 @@ def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, An
         return {"status": f"failed: {str(err).splitlines()[0][:160]}"}
     finally:
         del model, opt
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(args.device)
     return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
             "step_ms": 1e3 * statistics.median(times), "num_timed_steps": len(times)}  # fmt: skip
+
+
+def release_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        # After an illegal memory access (reclaim="always") the CUDA context is unusable and
+        # this raises too; "always" runs last, so the other rows are already measured.
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.empty_cache()
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -218,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"
     )
     variants = VARIANTS + (("always",) if args.with_always else ())
-    rows = {v: measure(args, v, ids) for v in variants}
+    rows = {}
+    for variant in variants:
+        rows[variant] = measure(args, variant, ids)
+        print(f"  {variant}: {rows[variant]}")
     print_table(rows, args.device)
     summary = ratios(rows)
     for key, value in summary.items():
