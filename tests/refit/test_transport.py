@@ -9,7 +9,6 @@ aborted one. Workers assert locally; a failing assertion fails the spawn.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 
 import pytest
@@ -75,6 +74,8 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_broadcast_refit_two_engine_ranks(tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+def test_broadcast_refit_two_engine_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    # fork: the children reuse the parent's imports (spawn re-imports torch in each, ~seconds)
+    mp.start_processes(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True,
+                       start_method="fork")  # fmt: skip
