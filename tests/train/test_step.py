@@ -1,0 +1,166 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from birkhoff.config import ModelConfig
+from birkhoff.model import Transformer
+from birkhoff.rl.tasks import AdditionTask, build_supervised_batch, sample_problems
+from birkhoff.tokenizer import CharTokenizer
+from birkhoff.train import TrainConfig, build_optimizer, forward_context, lr_at, train_step
+from birkhoff.train.data import batch_for_step, step_rng
+from birkhoff.train.step import answer_accuracy
+
+
+def tiny_model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=CharTokenizer().vocab_size, dim=32, num_layers=1, num_heads=2,
+               num_streams=2, mtp_depth=1, max_seq_len=32)  # fmt: skip
+    return Transformer(ModelConfig(**(cfg | kw)))
+
+
+def addition_batch(n: int = 16):
+    problems = sample_problems(AdditionTask(2), step_rng(0, 0), n)
+    return build_supervised_batch(problems, CharTokenizer())
+
+
+def test_train_step_lowers_loss_on_a_fixed_batch():
+    model, batch = tiny_model(), addition_batch()
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=40, weight_decay=0.0)
+    opt = build_optimizer(model, cfg)
+    history = [train_step(model, opt, batch, cfg, step=s) for s in range(40)]
+    first, last = history[0], history[-1]
+    assert {"loss", "main_loss", "mtp_loss_1", "grad_norm", "lr", "skipped"} <= first.keys()
+    assert last["main_loss"] < 0.5 * first["main_loss"]
+    assert last["mtp_loss_1"] < 0.6 * first["mtp_loss_1"]
+    assert first["lr"] == lr_at(0, cfg) and history[7]["lr"] == lr_at(7, cfg)
+    # loss = main + lambda/M * sum_k mtp_k, reported consistently
+    expected = first["main_loss"] + 0.3 * first["mtp_loss_1"]
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_mtp_learns_a_token_two_ahead():
+    """Blocks (a, b, (a+b) mod 10): the sum is 2 tokens after a, so MTP depth 1 at a's position
+    (which also sees Emb(b)) can predict it exactly; a wrong shift would leave it at ~ln 10."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=10, dim=32, num_layers=1, num_heads=2, num_streams=2,
+                      mtp_depth=1, max_seq_len=16)  # fmt: skip
+    model = Transformer(cfg)
+    train = TrainConfig(lr=1e-2, warmup_steps=10, num_steps=160, weight_decay=0.0)
+    opt = build_optimizer(model, train)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> SimpleNamespace:
+        ab = torch.randint(0, 10, (32, 4, 2), generator=gen)
+        ids = torch.cat([ab, ab.sum(-1, keepdim=True) % 10], dim=-1).view(32, 12)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[:, 2::3] = True  # only the sums are targets
+        return SimpleNamespace(input_ids=ids, loss_mask=mask)
+
+    history = [train_step(model, opt, batch(), train, step=s) for s in range(160)]
+    assert history[0]["mtp_loss_1"] > 2.0  # ~ln 10 at init
+    assert sum(h["mtp_loss_1"] for h in history[-10:]) / 10 < 0.3
+
+
+def test_custom_loss_fn_is_used():
+    model, batch = tiny_model(), addition_batch()
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0)
+    opt = build_optimizer(model, cfg)
+    before = model.lm_head.weight.detach().clone()
+    seen = []
+
+    def loss_fn(m, b):
+        seen.append(b)
+        logits = m(b.input_ids).logits
+        return logits.float().pow(2).mean(), {"custom": torch.tensor(1.5)}
+
+    out = train_step(model, opt, batch, cfg, step=0, loss_fn=loss_fn)
+    assert seen == [batch] and out["custom"] == 1.5 and "main_loss" not in out
+    assert not torch.equal(before, model.lm_head.weight)
+
+
+def test_non_finite_gradient_skips_the_step():
+    model, batch = tiny_model(), addition_batch()
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0)
+    opt = build_optimizer(model, cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def nan_loss(m, b):
+        return m(b.input_ids).logits.sum() * float("nan"), {}
+
+    out = train_step(model, opt, batch, cfg, step=0, loss_fn=nan_loss)
+    assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not opt.state  # AdamW moments untouched
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_grad_clip_reports_norm_before_clipping_and_bounds_it():
+    model, batch = tiny_model(), addition_batch()
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0, grad_clip=1e-3)
+    opt = build_optimizer(model, cfg)
+    seen = {}
+
+    def record(m, b):  # snapshot grads via a hook on the optimizer step
+        out = m(b.input_ids, labels=b.input_ids, loss_mask=b.loss_mask)
+        return out.loss, {}
+
+    def pre_hook(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen["norm"] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    opt.register_step_pre_hook(pre_hook)
+    out = train_step(model, opt, batch, cfg, step=0, loss_fn=record)
+    assert out["grad_norm"] > 1e-3
+    assert seen["norm"] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_bf16_autocast_refuses_cpu_model():
+    model = tiny_model()
+    with (
+        pytest.raises(ValueError, match="amp_dtype='bf16'"),
+        forward_context(model, TrainConfig(amp_dtype="bf16")),
+    ):
+        pass
+
+
+def test_recompute_full_runs_under_tracking_with_identical_numbers():
+    from birkhoff.recompute.registry import active_registry
+
+    batch = addition_batch()
+    results = {}
+    for mode in ("none", "full"):
+        model = tiny_model(recompute=mode)
+        cfg = TrainConfig(lr=1e-3, warmup_steps=0)
+        opt = build_optimizer(model, cfg)
+        tracked = []
+
+        def loss_fn(m, b, tracked=tracked):
+            tracked.append(active_registry() is not None)
+            out = m(b.input_ids, labels=b.input_ids, loss_mask=b.loss_mask)
+            return out.loss, {}
+
+        results[mode] = [train_step(model, opt, batch, cfg, step=s, loss_fn=loss_fn)["loss"]
+                         for s in range(3)]  # fmt: skip
+        assert tracked == [mode == "full"] * 3
+    assert results["none"] == results["full"]
+
+
+def test_answer_accuracy_hand_made():
+    # labels [x, 5, 7, eos]; mask on 7 and eos. Position 1 must predict 7, position 2 eos.
+    labels = torch.tensor([[1, 5, 7, 2], [1, 5, 7, 2]])
+    mask = torch.tensor([[False, False, True, True]] * 2)
+    logits = torch.zeros(2, 4, 10)
+    logits[0, 1, 7] = logits[0, 2, 2] = 1.0  # both right
+    logits[1, 1, 7] = logits[1, 2, 3] = 1.0  # second wrong
+    token_acc, seq_acc = answer_accuracy(logits, labels, mask)
+    assert float(token_acc) == 0.75 and float(seq_acc) == 0.5
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    task, tok = AdditionTask(3), CharTokenizer()
+    a = batch_for_step(task, tok, batch_size=8, seed=1, step=5)
+    b = batch_for_step(task, tok, batch_size=8, seed=1, step=5)
+    c = batch_for_step(task, tok, batch_size=8, seed=1, step=6)
+    assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
