@@ -1,0 +1,280 @@
+"""The main job: supervised warm-up, then GRPO with the engine in the loop, every seam exercised.
+
+One GRPO step:
+    rollout (engine, MTP speculative decoding) -> rewards -> group advantages
+    -> `updates_per_step` training steps (full recompute + safe reclaim, staleness checked)
+    -> refit session (buckets, one completeness check, atomic commit; weight_version += 1)
+The MTP loss stays on (RLConfig.mtp_loss_weight) so the drafter follows the policy; its
+acceptance rate is logged every step.
+
+Determinism: every random choice is a pure function of (seed, step): problems come from
+`step_rng`, generation is seeded with `seed * 1_000_003 + step`. With the weights, optimizer
+state and step restored from a checkpoint, a resumed run therefore repeats the uninterrupted one
+exactly (on CPU). Checkpoints are atomic (birkhoff.train.checkpoint); metrics.jsonl is truncated
+to the checkpoint's step on resume.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from birkhoff.engine import Engine, SamplingParams
+from birkhoff.model.transformer import Transformer
+from birkhoff.presets import Preset
+from birkhoff.refit.api import refit
+from birkhoff.rl.advantage import group_advantages
+from birkhoff.rl.config import RLConfig
+from birkhoff.rl.loss import grpo_loss, token_logprobs
+from birkhoff.rl.metrics import MetricsLog, memory_metrics
+from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, generate_batched, rollout
+from birkhoff.rl.tasks import Task, get_task, prompt_ids, sample_problems
+from birkhoff.tokenizer import CharTokenizer
+from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
+from birkhoff.train.data import batch_for_step, step_rng
+from birkhoff.train.optim import build_optimizer
+from birkhoff.train.step import Metrics, train_step
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def grpo_loss_fn(cfg: RLConfig):  # noqa: ANN201 - returns a train.step.LossFn
+    """GRPO policy loss on the completion tokens + the MTP loss on the same tokens."""
+
+    def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
+        out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
+        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]
+        logp_BT = token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])
+        policy_loss, metrics = grpo_loss(
+            logp_BT,
+            batch.rollout_logp[:, 1:],
+            batch.advantages,
+            batch.completion_mask[:, 1:],
+            cfg.loss,
+        )
+        mtp_loss = torch.stack(out.mtp_losses).mean() if out.mtp_losses else policy_loss * 0
+        result: Metrics = dict(metrics)
+        result.update(policy_loss=policy_loss.detach(), mtp_loss=mtp_loss.detach())
+        return policy_loss + cfg.mtp_loss_weight * mtp_loss, result
+
+    return loss_fn
+
+
+class GRPORun:
+    """State of one run: model, optimizer, engine, step counters, output directory."""
+
+    def __init__(self, preset: Preset, out_dir: str | Path, *, device: str = "cpu") -> None:
+        if not isinstance(preset.rl, RLConfig):
+            raise ValueError(f"preset {preset.name!r} has no RL config (preset.rl is None)")
+        self.preset, self.rl, self.device = preset, preset.rl, torch.device(device)
+        self.out = Path(out_dir)
+        self.tokenizer = CharTokenizer()
+        self.task: Task = get_task(preset.task, **preset.task_options)
+        torch.manual_seed(preset.train.seed)
+        self.model = Transformer(preset.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, preset.train)
+        self.step = 0  # global: warm-up steps, then GRPO steps
+        self.trainer_version = 0  # optimizer updates since the engine's weights were taken
+        self.engine = self.build_engine()
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+        eval_rng = random.Random(f"{preset.train.seed}:eval")
+        self.eval_problems = sample_problems(self.task, eval_rng, self.rl.num_eval_prompts)
+
+    @property
+    def total_steps(self) -> int:
+        return self.rl.warmup_steps + self.rl.num_steps
+
+    def build_engine(self) -> Engine:
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        batch = min(self.rl.num_prompts * self.rl.group_size, 256)
+        return Engine.from_model(
+            self.model,
+            device=self.device,
+            dtype=dtype,
+            quantize=self.rl.refit_quantize,
+            max_batch_size=max(batch, self.rl.num_eval_prompts, 1),
+            max_speculative_tokens=max(self.rl.num_speculative_tokens, 1),
+        )
+
+    # ------------------------------------------------------------------ phases
+
+    def sft_step(self) -> dict[str, Any]:
+        cfg = self.preset.train
+        batch = batch_for_step(
+            self.task, self.tokenizer, batch_size=cfg.batch_size, seed=cfg.seed, step=self.step
+        )
+        start = time.perf_counter()
+        metrics = train_step(self.model, self.optimizer, batch.to(self.device), cfg, step=self.step)
+        return {"phase": "sft", **metrics, "train_s": time.perf_counter() - start}
+
+    def grpo_step(self) -> dict[str, Any]:
+        rl, seed = self.rl, self.preset.train.seed
+        problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
+        ro = rollout(
+            self.engine, problems, self.task, self.tokenizer, rl, seed=seed * 1_000_003 + self.step
+        )
+        adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
+        batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
+        train_cfg = self.preset.train.replace(lr=rl.lr, warmup_steps=0, min_lr_ratio=1.0)
+        start, metrics = time.perf_counter(), {}
+        for _ in range(rl.updates_per_step):
+            check_staleness(
+                batch.weight_versions, self.engine_version_of_trainer(), rl.max_staleness
+            )
+            metrics = train_step(
+                self.model,
+                self.optimizer,
+                batch,
+                train_cfg,
+                step=self.step,
+                loss_fn=grpo_loss_fn(rl),
+            )
+            self.trainer_version += 1
+        train_s = time.perf_counter() - start
+        report = self.refit()
+        return {
+            "phase": "grpo",
+            "reward": float(ro.rewards_NG.mean()),
+            "reward_std": float(ro.rewards_NG.std(correction=0)),
+            **{f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)},
+            **metrics,
+            "generate_s": ro.seconds,
+            "train_s": train_s,
+            "refit_s": report.seconds,
+            "refit_gb_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
+            "weight_version": report.version,
+        }
+
+    def engine_version_of_trainer(self) -> int:
+        """The version the trainer's weights would get at the next refit."""
+        return self.engine.weight_version + self.trainer_version
+
+    def refit(self) -> Any:
+        report = refit(
+            self.model,
+            self.engine,
+            bucket_bytes=self.rl.refit_bucket_bytes,
+            quantize=self.rl.refit_quantize,
+        )
+        self.trainer_version = 0
+        return report
+
+    def evaluate(self) -> dict[str, float]:
+        """Reward on the fixed held-out problems: greedy, and sampled like the rollouts.
+
+        Greedy exact match is what a user sees; the sampled reward (temperature as in the
+        rollouts, `group_size` seeded samples per problem) is what GRPO optimises and is far less
+        noisy on a small eval set. Both are drafted by MTP; acceptance is logged for greedy.
+        """
+        rl, eos = self.rl, self.tokenizer.eos_id
+        if not self.eval_problems:
+            return {}
+        greedy = SamplingParams(
+            rl.max_new_tokens,
+            stop_token_ids=(eos,),
+            seed=0,
+            num_speculative_tokens=rl.num_speculative_tokens,
+        )
+        prompts = [prompt_ids(p, self.tokenizer) for p in self.eval_problems]
+        completions, accepted_at, steps = generate_batched(self.engine, prompts, greedy)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        rewards = [self.task.reward(p, t) for p, t in zip(self.eval_problems, texts, strict=True)]
+        sampled = rollout(self.engine, self.eval_problems, self.task, self.tokenizer, rl, seed=0)
+        out = {
+            "eval_reward": sum(rewards) / len(rewards),
+            "eval_sampled_reward": float(sampled.rewards_NG.mean()),
+        }
+        out.update({f"eval_accept_{j + 1}": n / max(steps, 1) for j, n in enumerate(accepted_at)})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        extra = {"engine_version": self.engine.weight_version, "preset": self.preset.name}
+        save_checkpoint(
+            self.out / CHECKPOINT_DIR,
+            self.model,
+            self.optimizer,  # type: ignore[arg-type]
+            step=self.step,
+            extra=extra,
+        )
+
+    def resume(self) -> None:
+        """Restore model, optimizer and step from the run's checkpoint; truncate the metrics."""
+        loaded = load_checkpoint(
+            self.out / CHECKPOINT_DIR,
+            model=self.model,  # type: ignore[arg-type]
+            optimizer=self.optimizer,
+            restore_rng=True,
+        )
+        if loaded.extra.get("preset") != self.preset.name:
+            raise ValueError(
+                f"checkpoint preset {loaded.extra.get('preset')!r} != {self.preset.name!r}"
+            )
+        self.step = loaded.step
+        self.engine = self.build_engine()
+        self.engine.weight_version = int(loaded.extra["engine_version"])
+        self.log.truncate_after(self.step)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, *, stop_after: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+        """Run (or continue) to the last step; `stop_after` ends early at that global step.
+
+        The engine is refit at the end of the warm-up and after every GRPO step, so each eval
+        sees the trainer's current weights.
+        """
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not progress,
+            desc=self.preset.name,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        rows: list[dict[str, Any]] = []
+        with bar:
+            while self.step < self.total_steps:
+                rows += self.one_step()
+                bar.update(1)
+                bar.set_postfix(self.log.postfix(), refresh=False)
+                if self.should_checkpoint() or self.step == stop_after:
+                    self.save()
+                if self.step == stop_after:
+                    break
+        return rows
+
+    def one_step(self) -> list[dict[str, Any]]:
+        in_warmup = self.step < self.rl.warmup_steps
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        row = self.sft_step() if in_warmup else self.grpo_step()
+        row.update(step=self.step, **memory_metrics(self.device))
+        self.step += 1
+        rows = [row]
+        if in_warmup and self.step == self.rl.warmup_steps:
+            self.refit()  # serve the warmed-up policy
+        grpo_done = self.step - self.rl.warmup_steps
+        if grpo_done == 0 or (
+            grpo_done > 0 and (grpo_done % self.rl.eval_every == 0 or self.step == self.total_steps)
+        ):
+            rows.append({"phase": "eval", "step": self.step, **self.evaluate()})
+        for r in rows:
+            self.log.append(r)
+        return rows
+
+    def should_checkpoint(self) -> bool:
+        every = self.rl.checkpoint_every
+        grpo_done = self.step - self.rl.warmup_steps
+        return (
+            self.step == self.total_steps
+            or grpo_done == 0
+            or (every > 0 and grpo_done > 0 and grpo_done % every == 0)
+        )

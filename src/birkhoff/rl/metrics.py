@@ -1,0 +1,102 @@
+"""metrics.jsonl (append, truncate on resume), memory figures, and the run's PNG plots.
+
+Each line of metrics.jsonl is one JSON object with `step` and `phase` ("sft" | "grpo" |
+"eval"). Timing (`*_s`, `*_gb_s`) and memory (`mem_*`) keys vary between runs; every other
+value is deterministic on CPU for a fixed seed, which the resume test relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from birkhoff.train.checkpoint import atomic_write_bytes
+
+NONDETERMINISTIC_SUFFIXES = ("_s", "_gb_s")
+NONDETERMINISTIC_PREFIXES = ("mem_",)
+
+
+def is_deterministic_key(key: str) -> bool:
+    return not key.endswith(NONDETERMINISTIC_SUFFIXES) and not key.startswith(
+        NONDETERMINISTIC_PREFIXES
+    )
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak GPU bytes of the step (CUDA) or the process's peak RSS (CPU), in MiB."""
+    if device.type == "cuda":
+        return {"mem_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+    return {"mem_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+class MetricsLog:
+    """Append-only JSON lines, flushed per line; `truncate_after` rewrites atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: dict[str, Any] = {}
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.last.update({k: v for k, v in row.items() if isinstance(v, float)})
+
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Keep rows with step <= `step` (a resumed run rewrites what follows)."""
+        kept = [r for r in self.rows() if r["step"] <= step]
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+        atomic_write_bytes(self.path, text.encode())
+
+    def postfix(self) -> dict[str, str]:
+        keys = ("main_loss", "reward", "eval_reward", "mtp_loss", "accept_1")
+        return {k: f"{self.last[k]:.3f}" for k in keys if k in self.last}
+
+
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward", "eval_reward")),
+    ("loss", ("main_loss", "policy_loss", "mtp_loss")),
+    ("MTP acceptance", ("accept_1", "accept_2", "accept_3", "eval_accept_1")),
+    ("memory (MiB)", ("mem_peak_mib",)),
+    ("seconds per step", ("generate_s", "train_s", "refit_s")),
+)
+
+
+def plot_run(metrics_path: Path, out_png: Path) -> Path:
+    """One PNG with a panel per concern: reward, losses, acceptance, memory, time per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = MetricsLog(metrics_path).rows()
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.6 * len(PANELS)), sharex=True)
+    for ax, (title, keys) in zip(axes, PANELS, strict=True):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=key, marker="." if len(pts) < 40 else "")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[-1].set_xlabel("step (warm-up, then GRPO)")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(out_png)
+    return out_png

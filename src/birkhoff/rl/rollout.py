@@ -1,0 +1,136 @@
+"""Rollouts: sample G completions per prompt from the engine, score them, build the train batch.
+
+Legend: N prompts, G group size, B = N*G completions, T tokens.
+
+The batch keeps the engine's per-token logprobs (the behaviour policy, sampled at temperature
+`RLConfig.temperature` with no top-k/top-p, so they are the policy's own logprobs at T=1) and the
+`weight_version` of every completion; the trainer checks staleness against them before each
+update. Token positions follow the label convention of model/mtp.py: `completion_mask[j]` and
+`rollout_logp[j]` describe token j, which the model predicts at position j-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from birkhoff.engine import Engine, SamplingParams
+from birkhoff.engine.decode import Completion
+from birkhoff.rl.config import RLConfig
+from birkhoff.rl.tasks import Problem, Task, prompt_ids
+from birkhoff.tokenizer import CharTokenizer
+
+
+class StaleRolloutError(ValueError):
+    """Completions were produced by weights older than the configured staleness bound."""
+
+
+class Rollout(NamedTuple):
+    problems: list[Problem]  # B, each prompt repeated G times (grouped)
+    prompts: list[list[int]]
+    completions: list[Completion]
+    rewards_NG: Tensor
+    accepted_at: list[int]  # per draft position: verify steps that accepted it
+    num_verify_steps: int
+    seconds: float
+
+    @property
+    def acceptance(self) -> list[float]:
+        return [n / max(self.num_verify_steps, 1) for n in self.accepted_at]
+
+
+class RLBatch(NamedTuple):
+    input_ids: Tensor  # [B,T] [bos] prompt completion, right-padded
+    completion_mask: Tensor  # [B,T] True on completion tokens
+    rollout_logp: Tensor  # [B,T] engine logprob of token j (0 off the completion)
+    advantages: Tensor  # [B]
+    weight_versions: list[int]
+
+    def to(self, device: torch.device | str) -> RLBatch:
+        return RLBatch(
+            self.input_ids.to(device),
+            self.completion_mask.to(device),
+            self.rollout_logp.to(device),
+            self.advantages.to(device),
+            self.weight_versions,
+        )
+
+
+def generate_batched(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[Completion], list[int], int]:
+    """engine.generate over chunks of max_batch_size; (completions, accepted_at, verify steps)."""
+    completions: list[Completion] = []
+    accepted_at, num_steps = [0] * params.num_speculative_tokens, 0
+    size = engine.max_batch_size
+    for i, start in enumerate(range(0, len(prompts), size)):
+        seed = None if params.seed is None else params.seed + i
+        chunk_params = dataclasses.replace(params, seed=seed)
+        completions += engine.generate(prompts[start : start + size], chunk_params)
+        if engine.last_stats is not None:
+            stats = engine.last_stats
+            num_steps += stats.num_steps
+            accepted_at = [a + b for a, b in zip(accepted_at, stats.accepted_at, strict=True)]
+    return completions, accepted_at, num_steps
+
+
+def rollout(
+    engine: Engine,
+    problems: Sequence[Problem],
+    task: Task,
+    tokenizer: CharTokenizer,
+    cfg: RLConfig,
+    *,
+    seed: int,
+) -> Rollout:
+    """G seeded samples per problem, scored by the task's verifiable reward."""
+    start = time.perf_counter()
+    grouped = [p for p in problems for _ in range(cfg.group_size)]
+    prompts = [prompt_ids(p, tokenizer) for p in grouped]
+    params = SamplingParams(
+        cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        stop_token_ids=(tokenizer.eos_id,),
+        seed=seed,
+        num_speculative_tokens=cfg.num_speculative_tokens,
+    )
+    completions, accepted_at, num_steps = generate_batched(engine, prompts, params)
+    rewards = [
+        task.reward(p, tokenizer.decode(c.tokens))
+        for p, c in zip(grouped, completions, strict=True)
+    ]
+    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), cfg.group_size)
+    seconds = time.perf_counter() - start
+    return Rollout(list(grouped), prompts, completions, rewards_NG, accepted_at, num_steps, seconds)
+
+
+def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> RLBatch:
+    """Right-padded [B,T] prompt+completion ids with the completion mask and rollout logprobs."""
+    rows = [p + c.tokens for p, c in zip(rollout.prompts, rollout.completions, strict=True)]
+    T = max(len(r) for r in rows)
+    B = len(rows)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.int64)
+    mask_BT = torch.zeros((B, T), dtype=torch.bool)
+    logp_BT = torch.zeros((B, T), dtype=torch.float32)
+    for b, (prompt, comp) in enumerate(zip(rollout.prompts, rollout.completions, strict=True)):
+        lo, hi = len(prompt), len(prompt) + len(comp.tokens)
+        ids_BT[b, :hi] = torch.tensor(prompt + comp.tokens)
+        mask_BT[b, lo:hi] = True
+        logp_BT[b, lo:hi] = torch.tensor(comp.logprobs, dtype=torch.float32)
+    versions = [c.weight_version for c in rollout.completions]
+    return RLBatch(ids_BT, mask_BT, logp_BT, advantages_NG.flatten().float(), versions)
+
+
+def check_staleness(versions: Sequence[int], trainer_version: int, max_staleness: int) -> None:
+    """Refuse completions more than `max_staleness` updates behind the trainer's weights."""
+    oldest = min(versions)
+    if trainer_version - oldest > max_staleness:
+        raise StaleRolloutError(
+            f"completions from weight_version {oldest} are {trainer_version - oldest} updates "
+            f"behind the trainer (version {trainer_version}); max_staleness={max_staleness}"
+        )
