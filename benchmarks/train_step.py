@@ -1,0 +1,214 @@
+"""Training throughput: forward + backward tokens/s for S=1 vs S=4 streams and M=0 vs M=1 MTP.
+
+Four variants at equal dims (dim, layers, heads, batch, seq): (S, M) in {(1,0), (4,0), (1,1),
+(4,1)}; (1,0) is a plain pre-norm transformer. One timed iteration is forward + loss + backward
+(no optimizer step: its cost is per parameter, not per token, and nearly equal across variants),
+run under the same `forward_context` as the training step (bf16 autocast on CUDA). Reported
+per variant: median step time, tokens/s, peak memory (CUDA), achieved TFLOP/s and, on CUDA, MFU;
+and the overhead ratios S=4/S=1 (mHC) and M=1/M=0 (MTP), all measured in the same run.
+
+FLOPs per token (stated, PaLM-style): 6 * N_matmul + 12 * L_attn * T * D, where
+  N_matmul = every parameter except the input embedding, plus M * V * D because the shared
+             lm_head runs once more per MTP depth (mHC `phi` projections are included; the
+             Sinkhorn iterations and stream mixing are not model FLOPs and show up as overhead),
+  L_attn   = num_layers + M (each MTP depth has one attention block),
+  12*T*D   = QK^T and AV, forward + backward, counted without the causal half (as PaLM does).
+MFU = achieved FLOP/s / peak, with the peak taken both as the bf16 matmul rate measured in this
+run (8192^3, best of 10) and as the 790 TFLOP/s measured on an H200.
+
+  python benchmarks/train_step.py --device cpu --quick      # smoke run, seconds
+  python benchmarks/train_step.py --device cpu              # small model, a few minutes
+  python benchmarks/train_step.py --device cuda             # h200-small preset: ~120M, T=2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from birkhoff.config import ModelConfig
+from birkhoff.model import Transformer
+from birkhoff.presets import h200_small
+from birkhoff.train import TrainConfig, forward_context
+
+VARIANTS = ((1, 0), (4, 0), (1, 1), (4, 1))  # (S, M)
+H200_BF16_PEAK = 790e12
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few iterations")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--recompute", choices=("none", "full"), default="none")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
+    return p.parse_args()
+
+
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    """Defaults per device; explicit flags win. CUDA defaults are the h200-small preset's."""
+    if args.device == "cuda":
+        m = h200_small().model
+        base = dict(dim=m.dim, layers=m.num_layers, heads=m.num_heads, seq=2048, batch=8, iters=10)
+    elif args.quick:
+        base = dict(dim=64, layers=2, heads=4, seq=64, batch=2, iters=2)
+    else:
+        base = dict(dim=256, layers=4, heads=4, seq=256, batch=4, iters=5)
+    given = {k: getattr(args, k) for k in base if getattr(args, k) is not None}
+    return base | given
+
+
+def model_config(size: dict[str, int], streams: int, mtp: int, recompute: str) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=h200_small().model.vocab_size, dim=size["dim"], num_layers=size["layers"],
+        num_heads=size["heads"], num_streams=streams, mtp_depth=mtp, max_seq_len=size["seq"],
+        recompute=recompute,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def flops_per_token(model: Transformer, seq: int) -> float:
+    cfg = model.cfg
+    num_matmul = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
+    num_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim
+    return 6.0 * num_matmul + 12.0 * (cfg.num_layers + cfg.mtp_depth) * seq * cfg.dim
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fwd_bwd(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> None:
+    with forward_context(model, train):
+        out = model(ids_BT, labels=ids_BT)
+    assert out.loss is not None
+    out.loss.backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def time_variant(model: Transformer, ids_BT: torch.Tensor, args: argparse.Namespace,
+                 iters: int) -> tuple[float, int]:  # fmt: skip
+    """(median seconds per fwd+bwd, peak bytes allocated during the timed iterations)."""
+    device = ids_BT.device
+    train = TrainConfig(amp_dtype="bf16" if device.type == "cuda" else "none")
+    for _ in range(args.warmup):
+        fwd_bwd(model, ids_BT, train)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fwd_bwd(model, ids_BT, train)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return statistics.median(times), peak
+
+
+def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """Best bf16 matmul FLOP/s of an n^3 product on this device (CUDA only)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(reps + 2):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
+                device: torch.device) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(model_config(size, streams, mtp, args.recompute)).to(device)
+    gen = torch.Generator().manual_seed(0)
+    ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), generator=gen)
+    seconds, peak = time_variant(model, ids_BT.to(device), args, size["iters"])
+    tokens = size["batch"] * size["seq"]
+    flops = flops_per_token(model, size["seq"]) * tokens / seconds
+    result = dict(streams=streams, mtp=mtp, num_params=sum(p.numel() for p in model.parameters()),
+                  step_ms=1e3 * seconds, tokens_per_s=tokens / seconds, tflops=flops / 1e12,
+                  peak_gib=peak / 2**30)  # fmt: skip
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Time ratios (> 1 = slower) at equal dims, from tokens/s measured in this run."""
+    tps = {k: v["tokens_per_s"] for k, v in rows.items()}
+    return {
+        "mhc_S4_over_S1_M0": tps["S1_M0"] / tps["S4_M0"],
+        "mhc_S4_over_S1_M1": tps["S1_M1"] / tps["S4_M1"],
+        "mtp_M1_over_M0_S1": tps["S1_M0"] / tps["S1_M1"],
+        "mtp_M1_over_M0_S4": tps["S4_M0"] / tps["S4_M1"],
+        "both_S4M1_over_S1M0": tps["S1_M0"] / tps["S4_M1"],
+    }
+
+
+def print_table(rows: dict[str, dict[str, Any]], peaks: dict[str, float]) -> None:
+    mfu_cols = list(peaks)
+    header = f"{'variant':<8}{'params':>12}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>9}"
+    header += f"{'peak GiB':>10}" + "".join(f"{'MFU@' + k:>14}" for k in mfu_cols)
+    print(header)
+    for name, r in rows.items():
+        line = f"{name:<8}{r['num_params']:>12,}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}"
+        line += f"{r['tflops']:>9.2f}{r['peak_gib']:>10.2f}"
+        line += "".join(f"{r['mfu'][k]:>14.1%}" for k in mfu_cols)
+        print(line)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, size = torch.device(args.device), sizes(args)
+    peaks: dict[str, float] = {}
+    if device.type == "cuda":
+        peaks = {"measured": measure_matmul_peak(device), "790T": H200_BF16_PEAK}
+    rows = {f"S{s}_M{m}": run_variant(size, s, m, args, device) for s, m in VARIANTS}
+    for r in rows.values():
+        r["mfu"] = {k: r["tflops"] * 1e12 / peak for k, peak in peaks.items()}
+    print(f"device={args.device} sizes={size} recompute={args.recompute} torch={torch.__version__}")
+    print_table(rows, peaks)
+    overhead = ratios(rows)
+    for name, value in overhead.items():
+        print(f"{name:<22} {value:.3f}x time")
+    report = dict(device=args.device, torch=torch.__version__, sizes=size,
+                  recompute=args.recompute, threads=torch.get_num_threads(),
+                  peak_flops=peaks, variants=rows, ratios=overhead,
+                  flops_formula="6*N_matmul + 12*(num_layers+M)*T*D per token")  # fmt: skip
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    suffix = "-quick" if args.quick else ""
+    out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
