@@ -202,7 +202,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=768, layers=12, heads=12, vocab=16384, seq=2048, batch=4, repeats=10),
-        "cpu": dict(dim=128, layers=4, heads=4, vocab=2048, seq=256, batch=2, repeats=3),
+        "cpu": dict(dim=96, layers=3, heads=4, vocab=1024, seq=128, batch=2, repeats=3),
         "quick": dict(dim=64, layers=2, heads=4, vocab=256, seq=64, batch=2, repeats=2),
     }
     for key, value in sizes["quick" if args.quick else args.device].items():
