@@ -20,7 +20,7 @@ from refit_helpers import (
 )
 from torch import Tensor
 
-from birkhoff.refit import RefitError, RefitSession, pack_buckets, refit
+from birkhoff.refit import BucketPacker, RefitError, RefitSession, pack_buckets, refit
 from birkhoff.refit.bucket import unpack_bucket
 
 CFG = tiny_config()
@@ -237,3 +237,28 @@ def test_refit_argument_errors() -> None:
         refit(MODEL_B, engine, bucket_bytes=3)
     assert engine.weight_version == 0
     assert refit(MODEL_B, engine).version == 1  # the failed calls left no session open
+
+
+def test_copied_buckets_from_reused_buffers_equal_adopted_ones() -> None:
+    """The copy path (non-transferable buckets, one recycled buffer) gives the same weights."""
+    served = served_b(None)
+    engine = make_engine(MODEL_A)
+    session = RefitSession(engine)
+    session.begin()
+    packer = BucketPacker(700, device="cpu", num_buffers=1)
+    for name, tensor in served:
+        for bucket in packer.add(name, [tensor], tensor.dtype):
+            assert not bucket.transferable
+            session.load_bucket(bucket)  # before the packer writes the buffer again
+    for bucket in packer.flush():
+        session.load_bucket(bucket)
+    session.finish(check_finite=True)
+    assert bit_equal(engine.weights, dict(served))
+
+
+def test_in_process_refit_serves_bucket_memory_without_copying() -> None:
+    engine = make_engine(MODEL_A)
+    refit(MODEL_B, engine, bucket_bytes=1 << 20)
+    storages = {t.untyped_storage().data_ptr() for t in engine.weights.values()}
+    assert len(storages) < len(engine.weights) // 10  # whole tensors are views of few buckets
+    assert bit_equal(engine.weights, dict(served_b(None)))

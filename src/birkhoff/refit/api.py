@@ -2,7 +2,9 @@
 
 The pipeline is a stream: trainer tensors are visited once (`state_dict` references, no copy),
 grouped into engine tensors by the shared layout mapping, and each engine tensor is written
-straight into the current bucket with the cast to the engine dtype fused into that copy. Fused
+straight into a bucket with the cast to the engine dtype fused into that copy. In process, the
+session adopts the buckets (their whole tensors become the served weights), so that copy is the
+only pass over the data. Fused
 projections (q/k/v, gate/up) are packed part by part, so the engine state is never materialised on
 the sender; only fp8 matmul weights are concatenated first, because their 128x128 scale blocks
 straddle the part boundaries. The engine's manifest decides each tensor's dtype: a matmul weight
@@ -102,7 +104,8 @@ def refit(
         if engine is None:
             raise ValueError("engine=None needs a transport")
         transport = InProcessTransport(engine)
-    packer = BucketPacker(bucket_bytes, device=transport.device, num_buffers=2)
+    num_buffers = None if transport.adopts_buckets else 2
+    packer = BucketPacker(bucket_bytes, device=transport.device, num_buffers=num_buffers)
     transport.begin()
     try:
         manifest = transport.manifest()

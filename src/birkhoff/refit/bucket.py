@@ -25,6 +25,7 @@ optionally, finiteness), multi-stream pipelining.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -51,6 +52,8 @@ class Bucket:
     index: int
     buffer: Tensor  # uint8 [nbytes], possibly a view of a reused, larger buffer
     entries: list[BucketEntry] = field(default_factory=list)
+    # the sender will never write this buffer again: a receiver may keep views into it
+    transferable: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -67,8 +70,23 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class _Copy(NamedTuple):
+    offset: int  # byte offset in the bucket
+    nbytes: int
+    dtype: torch.dtype
+    src: Tensor  # flat source elements (any dtype, any device)
+
+
 class BucketPacker:
-    """Streams (name, parts, dtype) into buckets; `add` and `flush` yield full buckets."""
+    """Streams (name, parts, dtype) into buckets; `add` and `flush` yield full buckets.
+
+    Placement: a tensor that fits in a bucket is never split (the bucket is closed first when the
+    room left is too small); a tensor larger than a bucket gets buckets of its own. So every
+    bucket holds whole tensors or chunks of a single oversized one, and a receiver may keep
+    whole tensors as views of a transferable bucket (no copy out).
+    Copies are planned as tensors arrive and issued when a bucket closes, all at once with
+    `torch._foreach_copy_` (one call per bucket instead of one Python-level copy per tensor).
+    """
 
     def __init__(
         self, bucket_bytes: int, *, device: torch.device | str, num_buffers: int | None = None
@@ -82,24 +100,28 @@ class BucketPacker:
         self.num_buffers = num_buffers
         self._pool: list[Tensor] = []
         self._index = 0
-        self._pos = 0  # next aligned write offset
-        self._used = 0  # end of the last chunk written
+        self._pos = 0  # aligned offset where the next tensor starts
         self._entries: list[BucketEntry] = []
-        self._buffer = self._next_buffer()
+        self._copies: list[_Copy] = []
 
-    def _next_buffer(self) -> Tensor:
+    def _buffer(self, nbytes: int) -> Tensor:
+        """Exactly `nbytes` fresh (transferable) or a slice of a cycled pool buffer."""
         if self.num_buffers is None:
-            return torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot = self._index % self.num_buffers
         if slot == len(self._pool):
             self._pool.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device))
-        return self._pool[slot]
+        return self._pool[slot][:nbytes]
 
     def _close(self) -> Bucket:
-        bucket = Bucket(self._index, self._buffer[: self._used], self._entries)
+        used = max((c.offset + c.nbytes for c in self._copies), default=0)
+        buffer = self._buffer(used)
+        if self._copies:
+            dst = [buffer[c.offset : c.offset + c.nbytes].view(c.dtype) for c in self._copies]
+            torch._foreach_copy_(dst, [c.src for c in self._copies], non_blocking=True)
+        bucket = Bucket(self._index, buffer, self._entries, self.num_buffers is None)
         self._index += 1
-        self._pos, self._used, self._entries = 0, 0, []
-        self._buffer = self._next_buffer()
+        self._pos, self._entries, self._copies = 0, [], []
         return bucket
 
     def add(self, name: str, parts: Sequence[Tensor], dtype: torch.dtype) -> Iterator[Bucket]:
@@ -108,28 +130,33 @@ class BucketPacker:
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:]) if parts[0].dim() else ()
         itemsize = dtype.itemsize
         total = sum(p.numel() for p in parts) * itemsize
-        done = 0  # bytes of this tensor already packed
-        for part in parts:
-            flat = part.reshape(-1)
-            start = 0  # elements of this part already packed
-            while start < flat.numel():
-                room = (self.bucket_bytes - self._pos) // itemsize
-                if room == 0:
-                    yield self._close()
-                    continue
-                count = min(room, flat.numel() - start)
-                nbytes = count * itemsize
-                dst = self._buffer[self._pos : self._pos + nbytes].view(dtype)
-                dst.copy_(flat[start : start + count], non_blocking=True)
-                self._entries.append(
-                    BucketEntry(name, dtype, shape, self._pos, nbytes, done, total)
-                )
-                self._used = self._pos + nbytes
-                self._pos = min(_align(self._used), self.bucket_bytes)
-                start += count
-                done += nbytes
         if total == 0:  # an empty tensor still announces itself (offset is meaningless)
             self._entries.append(BucketEntry(name, dtype, shape, 0, 0, 0, 0))
+            return
+        oversized = total > self.bucket_bytes
+        if self._entries and (oversized or total > self.bucket_bytes - self._pos):
+            yield self._close()
+        offset, first = self._pos, 0  # where this bucket's piece starts: in bucket, in tensor
+        done = 0  # bytes of this tensor planned so far; parts are contiguous within the tensor
+        for part in parts:
+            flat, start = part.reshape(-1), 0
+            while start < flat.numel():
+                pos = offset + done - first
+                count = min((self.bucket_bytes - pos) // itemsize, flat.numel() - start)
+                if count == 0:  # bucket full: close it with this tensor's piece so far
+                    self._entries.append(BucketEntry(name, dtype, shape, offset, done - first,
+                                                     first, total))  # fmt: skip
+                    yield self._close()
+                    offset, first = 0, done
+                    continue
+                self._copies.append(
+                    _Copy(pos, count * itemsize, dtype, flat[start : start + count])
+                )
+                start, done = start + count, done + count * itemsize
+        self._entries.append(BucketEntry(name, dtype, shape, offset, done - first, first, total))
+        self._pos = min(_align(offset + done - first), self.bucket_bytes)
+        if oversized:  # its last chunk does not share a bucket with whole tensors
+            yield self._close()
 
     def flush(self) -> Iterator[Bucket]:
         """Yield the last, partly filled bucket (if it holds anything)."""
@@ -183,6 +210,24 @@ class Assembler:
             as_bytes(self.tensors[name])[lo:hi].copy_(chunk, non_blocking=True)
         self.covered[name] += hi - lo
         return self.covered[name] == spec[2]
+
+    def adopt(self, entry: BucketEntry, chunk: Tensor) -> bool:
+        """Keep a whole tensor as a view of `chunk` (a transferable bucket's bytes), no copy.
+
+        Anything that is not a first, whole, consistent arrival goes through `add` instead, so
+        duplicates and mismatches are recorded exactly as for copied chunks.
+        """
+        whole = entry.chunk_offset == 0 and entry.nbytes == entry.total_nbytes > 0
+        if not whole or entry.name in self.tensors or entry.offset % entry.dtype.itemsize:
+            return self.add(entry, chunk)
+        flat = chunk.view(entry.dtype)
+        if flat.numel() != math.prod(entry.shape):
+            return self.add(entry, chunk)
+        name = entry.name
+        self.tensors[name] = flat.view(entry.shape)
+        self.specs[name] = (entry.dtype, tuple(entry.shape), entry.total_nbytes)
+        self.covered[name], self._ranges[name] = entry.nbytes, [(0, entry.nbytes)]
+        return True
 
     def _claim(self, name: str, lo: int, hi: int) -> bool:
         """Record [lo, hi) as received; False (and mark duplicated) if it overlaps earlier data."""

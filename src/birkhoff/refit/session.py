@@ -14,8 +14,11 @@ On any failure `RefitError` lists every problem by name and the engine keeps its
 
 Design choices: the staging dict is allocated lazily from the chunks' own metadata, so an
 unexpected or mis-shaped tensor is still staged and reported precisely rather than crashing a
-copy. The finiteness flags of all tensors are reduced on the device and read back with one host
-sync. Left out: detecting a concurrent commit by another session (single writer assumed), and
+copy. A transferable bucket (its sender never writes it again) is adopted: its whole tensors
+become views of its buffer, so an in-process refit moves every byte once (trainer -> bucket,
+cast fused in) and a broadcast receives straight into the memory the engine will serve.
+The finiteness flags of all tensors are reduced on the device and read back with one host sync.
+Left out: detecting a concurrent commit by another session (single writer assumed), and
 reusing the previous version's buffers as the next staging area.
 """
 
@@ -139,11 +142,16 @@ class RefitSession:
         self._num_buckets, self._bytes, self._start = 0, 0, time.perf_counter()
 
     def load_bucket(self, bucket: Bucket) -> None:
-        """Copy a bucket's chunks into staging; problems are recorded for finish(), not raised."""
+        """Stage a bucket's chunks; problems are recorded for finish(), not raised.
+
+        Whole tensors of a transferable bucket are kept as views of its buffer (zero-copy);
+        everything else is copied into staging tensors.
+        """
         if self._staging is None:
             raise RuntimeError("load_bucket() before begin()")
+        store = self._staging.adopt if bucket.transferable else self._staging.add
         for entry, chunk in unpack_bucket(bucket):
-            self._staging.add(entry, chunk)
+            store(entry, chunk)
             self._bytes += entry.nbytes
         self._num_buckets += 1
 

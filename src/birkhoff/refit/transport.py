@@ -8,7 +8,9 @@ A transport is the sender's view of a remote (or local) session: `begin`, `manif
 - `BroadcastSender` / `serve_refit`: one trainer rank broadcasts to engine ranks through
   `torch.distributed` (gloo on CPU, nccl on GPU). Control messages and bucket metadata go through
   `broadcast_object_list`, the payload through `broadcast` of the uint8 buffer. The manifest comes
-  from one engine rank (`engine_src`), so the sender never guesses dtypes.
+  from one engine rank (`engine_src`), so the sender never guesses dtypes. Each engine rank
+  receives every bucket into a fresh buffer that its session adopts, so whole tensors are served
+  from the received bytes without a copy.
 
 Commit across engine ranks is two-phase: on `finish` every engine rank checks its staged update,
 all ranks (the sender included) exchange the verdicts with `all_gather_object`, and only if every
@@ -25,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from birkhoff.refit.bucket import Bucket
 from birkhoff.refit.session import RefitError, RefitReport, RefitSession, RefitTarget
@@ -33,6 +34,9 @@ from birkhoff.refit.session import RefitError, RefitReport, RefitSession, RefitT
 
 class Transport(Protocol):
     device: torch.device
+    # True: the receiver may keep sent buffers, so the sender allocates one per bucket
+    # False: the sender cycles two preallocated buffers
+    adopts_buckets: bool
 
     def begin(self) -> None: ...
     def manifest(self) -> Mapping[str, Any]: ...
@@ -43,6 +47,8 @@ class Transport(Protocol):
 
 class InProcessTransport:
     """Same process, same device: buckets go straight into a RefitSession."""
+
+    adopts_buckets = True
 
     def __init__(self, engine: RefitTarget) -> None:
         self.engine = engine
@@ -98,6 +104,8 @@ def _merge_verdicts(verdicts: list[Any]) -> RefitError:
 class BroadcastSender:
     """Trainer side of a torch.distributed broadcast refit (this rank is `src`)."""
 
+    adopts_buckets = False  # the payload is copied by the broadcast; keep reusing two buffers
+
     def __init__(
         self,
         *,
@@ -146,16 +154,6 @@ class BroadcastSender:
             self._open = False
 
 
-def _receive_payload(
-    buffer: Tensor | None, nbytes: int, *, src: int, group: dist.ProcessGroup | None, device: Any
-) -> Tensor:
-    """Broadcast into a reused receive buffer, grown when a bucket is larger."""
-    if buffer is None or buffer.numel() < nbytes:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer[:nbytes], src=src, group=group)
-    return buffer
-
-
 def serve_refit(
     engine: RefitTarget, *, src: int, engine_src: int, group: dist.ProcessGroup | None = None
 ) -> RefitReport | None:
@@ -164,7 +162,6 @@ def serve_refit(
     Raises RefitError when any engine rank rejected the update (this rank's weights unchanged).
     """
     session, rank = RefitSession(engine), dist.get_rank()
-    buffer: Tensor | None = None
     while True:
         message = _bcast_object(None, src=src, group=group)
         op = message["op"]
@@ -173,10 +170,10 @@ def serve_refit(
             manifest = dict(engine.manifest()) if rank == engine_src else None
             _bcast_object(manifest, src=engine_src, group=group)
         elif op == "bucket":
-            buffer = _receive_payload(buffer, message["nbytes"], src=src, group=group,
-                                      device=session.device)  # fmt: skip
-            session.load_bucket(Bucket(message["index"], buffer[: message["nbytes"]],
-                                       message["entries"]))  # fmt: skip
+            # a fresh buffer per bucket, adopted by the session: received bytes are served as is
+            buffer = torch.empty(message["nbytes"], dtype=torch.uint8, device=session.device)
+            dist.broadcast(buffer, src=src, group=group)
+            session.load_bucket(Bucket(message["index"], buffer, message["entries"], True))
         elif op == "finish":
             return _finish_two_phase(session, message["check_finite"], engine_src, group)
         elif op == "abort":
