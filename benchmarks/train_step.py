@@ -19,6 +19,7 @@ run (8192^3, best of 10) and as the 790 TFLOP/s measured on an H200.
   python benchmarks/train_step.py --device cpu --quick      # smoke run, seconds
   python benchmarks/train_step.py --device cpu              # small model, a few minutes
   python benchmarks/train_step.py --device cuda             # h200-small preset: ~120M, T=2048
+  python benchmarks/train_step.py --device cuda --compile   # same, each block torch.compiled
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--recompute", choices=("none", "full"), default="none")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--variants", default="S1_M0,S4_M0,S1_M1,S4_M1", help="comma-separated")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
     return p.parse_args()
 
@@ -140,6 +143,9 @@ def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Nam
                 device: torch.device) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     model = Transformer(model_config(size, streams, mtp, args.recompute)).to(device)
+    if args.compile:  # identical blocks share one compiled graph (parameters are graph inputs)
+        for block in [*model.layers, *(depth.block for depth in model.mtp)]:
+            block.compile()
     gen = torch.Generator().manual_seed(0)
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), generator=gen)
     seconds, peak = time_variant(model, ids_BT.to(device), args, size["iters"])
@@ -155,16 +161,20 @@ def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Nam
     return result
 
 
+RATIOS = {  # name: (slower variant, baseline variant)
+    "mhc_S4_over_S1_M0": ("S4_M0", "S1_M0"),
+    "mhc_S4_over_S1_M1": ("S4_M1", "S1_M1"),
+    "mtp_M1_over_M0_S1": ("S1_M1", "S1_M0"),
+    "mtp_M1_over_M0_S4": ("S4_M1", "S4_M0"),
+    "both_S4M1_over_S1M0": ("S4_M1", "S1_M0"),
+}
+
+
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Time ratios (> 1 = slower) at equal dims, from tokens/s measured in this run."""
     tps = {k: v["tokens_per_s"] for k, v in rows.items()}
-    return {
-        "mhc_S4_over_S1_M0": tps["S1_M0"] / tps["S4_M0"],
-        "mhc_S4_over_S1_M1": tps["S1_M1"] / tps["S4_M1"],
-        "mtp_M1_over_M0_S1": tps["S1_M0"] / tps["S1_M1"],
-        "mtp_M1_over_M0_S4": tps["S4_M0"] / tps["S4_M1"],
-        "both_S4M1_over_S1M0": tps["S1_M0"] / tps["S4_M1"],
-    }
+    return {name: tps[base] / tps[slow] for name, (slow, base) in RATIOS.items()
+            if slow in tps and base in tps}  # fmt: skip
 
 
 def print_table(rows: dict[str, dict[str, Any]], peaks: dict[str, float]) -> None:
@@ -189,21 +199,27 @@ def main() -> None:
     peaks: dict[str, float] = {}
     if device.type == "cuda":
         peaks = {"measured": measure_matmul_peak(device), "790T": H200_BF16_PEAK}
-    rows = {f"S{s}_M{m}": run_variant(size, s, m, args, device) for s, m in VARIANTS}
+    wanted = args.variants.split(",")
+    unknown = sorted(set(wanted) - {f"S{s}_M{m}" for s, m in VARIANTS})
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}")
+    rows = {f"S{s}_M{m}": run_variant(size, s, m, args, device)
+            for s, m in VARIANTS if f"S{s}_M{m}" in wanted}  # fmt: skip
     for r in rows.values():
         r["mfu"] = {k: r["tflops"] * 1e12 / peak for k, peak in peaks.items()}
-    print(f"device={args.device} sizes={size} recompute={args.recompute} torch={torch.__version__}")
+    print(f"device={args.device} sizes={size} recompute={args.recompute} compile={args.compile} "
+          f"torch={torch.__version__}")  # fmt: skip
     print_table(rows, peaks)
     overhead = ratios(rows)
     for name, value in overhead.items():
         print(f"{name:<22} {value:.3f}x time")
     report = dict(device=args.device, torch=torch.__version__, sizes=size,
-                  recompute=args.recompute, threads=torch.get_num_threads(),
+                  recompute=args.recompute, compile=args.compile, threads=torch.get_num_threads(),
                   peak_flops=peaks, variants=rows, ratios=overhead,
                   flops_formula="6*N_matmul + 12*(num_layers+M)*T*D per token")  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
-    suffix = "-quick" if args.quick else ""
+    suffix = ("-compile" if args.compile else "") + ("-quick" if args.quick else "")
     out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
