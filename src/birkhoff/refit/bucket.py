@@ -70,6 +70,24 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def typed_views(buffer: Tensor, spans: Sequence[tuple[int, int, torch.dtype]]) -> list[Tensor]:
+    """Flat views `buffer[offset:offset+nbytes].view(dtype)` for ascending, disjoint spans.
+
+    When every span has one dtype, one `split` of the typed buffer makes all views (this runs
+    per tensor per refit, so it avoids two Python-level tensor ops per span).
+    """
+    dtypes = {dtype for _, _, dtype in spans}
+    itemsize = next(iter(dtypes)).itemsize if len(dtypes) == 1 else 0
+    if not itemsize or buffer.numel() % itemsize or any(o % itemsize for o, _, _ in spans):
+        return [buffer[o : o + n].view(dt) for o, n, dt in spans]
+    sizes, pos = [], 0  # in elements: a gap before each span, then the span
+    for offset, nbytes, _ in spans:
+        sizes += [(offset - pos) // itemsize, nbytes // itemsize]
+        pos = offset + nbytes
+    sizes.append((buffer.numel() - pos) // itemsize)
+    return list(buffer.view(next(iter(dtypes))).split(sizes)[1::2])
+
+
 class _Copy(NamedTuple):
     offset: int  # byte offset in the bucket
     nbytes: int
@@ -117,7 +135,8 @@ class BucketPacker:
         used = max((c.offset + c.nbytes for c in self._copies), default=0)
         buffer = self._buffer(used)
         if self._copies:
-            dst = [buffer[c.offset : c.offset + c.nbytes].view(c.dtype) for c in self._copies]
+            spans = [(c.offset, c.nbytes, c.dtype) for c in self._copies]
+            dst = typed_views(buffer, spans)
             torch._foreach_copy_(dst, [c.src for c in self._copies], non_blocking=True)
         bucket = Bucket(self._index, buffer, self._entries, self.num_buffers is None)
         self._index += 1
@@ -127,9 +146,20 @@ class BucketPacker:
     def add(self, name: str, parts: Sequence[Tensor], dtype: torch.dtype) -> Iterator[Bucket]:
         """Pack the dim-0 concatenation of `parts`, cast to `dtype`; yield buckets that fill up."""
         assert parts, f"{name}: no parts"
-        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:]) if parts[0].dim() else ()
         itemsize = dtype.itemsize
-        total = sum(p.numel() for p in parts) * itemsize
+        if len(parts) == 1:
+            shape, total = tuple(parts[0].shape), parts[0].numel() * itemsize
+        else:
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            total = sum(p.numel() for p in parts) * itemsize
+        if 0 < total <= self.bucket_bytes - self._pos:  # common case: one piece, no split
+            offset = self._pos
+            self._entries.append(BucketEntry(name, dtype, shape, offset, total, 0, total))
+            for part in parts:
+                self._copies.append(_Copy(offset, part.numel() * itemsize, dtype, part.reshape(-1)))
+                offset += part.numel() * itemsize
+            self._pos = min(_align(offset), self.bucket_bytes)
+            return
         if total == 0:  # an empty tensor still announces itself (offset is meaningless)
             self._entries.append(BucketEntry(name, dtype, shape, 0, 0, 0, 0))
             return
@@ -192,8 +222,9 @@ class Assembler:
         self.inconsistent: set[str] = set()
 
     def add(self, entry: BucketEntry, chunk: Tensor) -> bool:
-        """Store one chunk (uint8 [entry.nbytes]); True when its tensor became complete."""
+        """Store one chunk (flat bytes or elements); True when its tensor became complete."""
         name = entry.name
+        chunk = chunk.view(torch.uint8) if chunk.dtype != torch.uint8 else chunk
         spec = (entry.dtype, tuple(entry.shape), entry.total_nbytes)
         if name not in self.tensors:
             self.tensors[name] = torch.empty(spec[1], dtype=spec[0], device=self.device)
@@ -212,7 +243,7 @@ class Assembler:
         return self.covered[name] == spec[2]
 
     def adopt(self, entry: BucketEntry, chunk: Tensor) -> bool:
-        """Keep a whole tensor as a view of `chunk` (a transferable bucket's bytes), no copy.
+        """Keep a whole tensor as a view of `chunk` (of a transferable bucket), no copy.
 
         Anything that is not a first, whole, consistent arrival goes through `add` instead, so
         duplicates and mismatches are recorded exactly as for copied chunks.
@@ -220,7 +251,7 @@ class Assembler:
         whole = entry.chunk_offset == 0 and entry.nbytes == entry.total_nbytes > 0
         if not whole or entry.name in self.tensors or entry.offset % entry.dtype.itemsize:
             return self.add(entry, chunk)
-        flat = chunk.view(entry.dtype)
+        flat = chunk if chunk.dtype == entry.dtype else chunk.view(torch.uint8).view(entry.dtype)
         if flat.numel() != math.prod(entry.shape):
             return self.add(entry, chunk)
         name = entry.name
@@ -250,6 +281,15 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[BucketEntry, Tensor]]:
     """(entry, uint8 view of its bytes) for every chunk in the bucket; zero-copy."""
     for entry in bucket.entries:
         yield entry, bucket.buffer[entry.offset : entry.offset + entry.nbytes]
+
+
+def unpack_typed(bucket: Bucket) -> list[tuple[BucketEntry, Tensor]]:
+    """(entry, flat view of its elements in entry.dtype) for every chunk; zero-copy."""
+    spans = [(e.offset, e.nbytes, e.dtype) for e in bucket.entries]
+    ordered = all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    if not ordered or any(n % dt.itemsize for _, n, dt in spans):  # malformed: bytes, as is
+        return [(e, c) for e, c in unpack_bucket(bucket)]
+    return list(zip(bucket.entries, typed_views(bucket.buffer, spans), strict=True))
 
 
 def unpack_buckets(

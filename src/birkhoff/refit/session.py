@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from birkhoff.refit.bucket import Assembler, Bucket, unpack_bucket
+from birkhoff.refit.bucket import Assembler, Bucket, unpack_typed
 
 
 class TensorSpecLike(Protocol):
@@ -150,7 +150,7 @@ class RefitSession:
         if self._staging is None:
             raise RuntimeError("load_bucket() before begin()")
         store = self._staging.adopt if bucket.transferable else self._staging.add
-        for entry, chunk in unpack_bucket(bucket):
+        for entry, chunk in unpack_typed(bucket):
             store(entry, chunk)
             self._bytes += entry.nbytes
         self._num_buckets += 1
