@@ -24,8 +24,11 @@ def test_shift_targets_hand_made() -> None:
 
 
 def test_all_masked_batch_gives_zero_not_nan() -> None:
-    loss = masked_token_ce(torch.randn(1, 3, 5), torch.zeros(1, 3, dtype=torch.long),
-                           torch.zeros(1, 3, dtype=torch.bool))  # fmt: skip
+    loss = masked_token_ce(
+        torch.randn(1, 3, 5),
+        torch.zeros(1, 3, dtype=torch.long),
+        torch.zeros(1, 3, dtype=torch.bool),
+    )
     assert loss.item() == 0.0
 
 

@@ -49,8 +49,15 @@ def _reference_logits(sd: dict[str, torch.Tensor], cfg: ModelConfig, ids: torch.
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_single_stream_equals_plain_prenorm_transformer(num_kv_heads: int | None) -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=23, dim=32, num_layers=3, num_heads=4,
-                      num_kv_heads=num_kv_heads, num_streams=1, mtp_depth=0)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=23,
+        dim=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        num_streams=1,
+        mtp_depth=0,
+    )
     model = Transformer(cfg).double()
     with torch.no_grad():  # non-trivial norm weights
         for name, p in model.named_parameters():
@@ -97,8 +104,9 @@ def test_decoder_output_contract() -> None:
     ],
 )
 def test_bad_input_ids_raise(ids: torch.Tensor, match: str) -> None:
-    model = Transformer(ModelConfig(vocab_size=17, dim=16, num_layers=1, num_heads=2,
-                                    max_seq_len=64))  # fmt: skip
+    model = Transformer(
+        ModelConfig(vocab_size=17, dim=16, num_layers=1, num_heads=2, max_seq_len=64)
+    )
     with pytest.raises(ValueError, match=match):
         model(ids)
 

@@ -121,8 +121,9 @@ class Transformer(nn.Module):
         self, input_ids: Tensor, labels: Tensor | None = None, loss_mask: Tensor | None = None
     ) -> TransformerOutput:
         cfg = self.cfg
-        check_token_ids(input_ids, name="input_ids", vocab_size=cfg.vocab_size,
-                        max_seq_len=cfg.max_seq_len)  # fmt: skip
+        check_token_ids(
+            input_ids, name="input_ids", vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len
+        )
         out = self.decoder(input_ids)
         logits_BTV = self.lm_head(out.hidden)
         if labels is None:
@@ -138,13 +139,16 @@ class Transformer(nn.Module):
 
     def check_labels(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None) -> Tensor:
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
-                             f"{tuple(input_ids.shape)}")  # fmt: skip
-        check_token_ids(labels, name="labels", vocab_size=self.cfg.vocab_size,
-                        max_seq_len=self.cfg.max_seq_len)  # fmt: skip
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        check_token_ids(
+            labels, name="labels", vocab_size=self.cfg.vocab_size, max_seq_len=self.cfg.max_seq_len
+        )
         if loss_mask is None:
             return torch.ones_like(labels, dtype=torch.bool)
         if loss_mask.shape != labels.shape:
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != labels shape "
-                             f"{tuple(labels.shape)}")  # fmt: skip
+            raise ValueError(
+                f"loss_mask shape {tuple(loss_mask.shape)} != labels shape {tuple(labels.shape)}"
+            )
         return loss_mask.bool()

@@ -23,7 +23,7 @@ class RLConfig:
     updates_per_step: int = 1  # optimizer steps per rollout batch (> 1 makes ratios != 1)
     max_staleness: int = 1  # refuse completions more than this many updates behind the trainer
     max_new_tokens: int = 8
-    temperature: float = 1.0  # sampling; logprobs are then the policy's own
+    temperature: float = 1.0  # rollout sampling; the GRPO ratio uses the same temperature
     num_speculative_tokens: int = 2  # MTP drafts per verify step during rollouts
     mtp_loss_weight: float = 0.1  # MTP loss during RL, keeps the drafter on-policy
     normalize_adv_std: bool = True

@@ -48,8 +48,9 @@ def grpo_loss_fn(cfg: RLConfig):  # noqa: ANN201 - returns a train.step.LossFn
 
     def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
         out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
-        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]
-        logp_BT = token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:])
+        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]; the
+        # rollouts sampled from softmax(logits / temperature), so the ratio uses the same
+        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, batch.input_ids[:, 1:])
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],
