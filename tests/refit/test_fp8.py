@@ -23,7 +23,7 @@ def bits(q: torch.Tensor) -> torch.Tensor:
 
 
 def reference_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-by-block loop in fp64 for amax; the same rounding rule, no padding tricks."""
+    """Block-by-block loop, amax in fp64; the same scale and rounding rule, no padding tricks."""
     rows, cols = w.shape
     num_r, num_c = math.ceil(rows / block), math.ceil(cols / block)
     q = torch.empty(rows, cols, dtype=FP8_DTYPE)
@@ -31,10 +31,11 @@ def reference_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     for i in range(num_r):
         for j in range(num_c):
             tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block].double()
-            s = torch.tensor(tile.abs().max().item() / FP8_MAX, dtype=torch.float32)
-            s = s.clamp_min(torch.finfo(torch.float32).tiny)
+            amax = torch.tensor(tile.abs().max().item(), dtype=torch.float32)
+            s = amax.clamp_min(torch.finfo(torch.float32).tiny * FP8_MAX) * (1.0 / FP8_MAX)
             scale_inv[i, j] = s
-            scaled = (tile.float() / s).clamp(-FP8_MAX, FP8_MAX)
+            scaled = tile.float() * (1.0 / s)
+            assert scaled.abs().max() < 480  # the cast rounds below 480 to <= 448
             q[i * block : (i + 1) * block, j * block : (j + 1) * block] = scaled.to(FP8_DTYPE)
     return q, scale_inv
 
