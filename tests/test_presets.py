@@ -25,5 +25,5 @@ def test_h200_small_is_about_120m_params():
 
 
 def test_unknown_preset_lists_valid_names():
-    with pytest.raises(ValueError, match="'big'.*h200-small.*tiny-cpu"):
+    with pytest.raises(ValueError, match="'big'.*h200-grpo.*h200-small.*tiny-cpu"):
         get_preset("big")

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 EXIT_USAGE = 2
 
@@ -75,6 +76,9 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     preset = preset.replace(train=train)
     device = resolve_device(args.device)
+    if device != "cuda" and train.amp_dtype == "bf16":
+        raise UsageError(f"preset {preset.name!r} trains with bf16 autocast, which needs CUDA; "
+                         f"--device is {device}")  # fmt: skip
     prepare_out_dir(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
 
     import torch
@@ -135,6 +139,106 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- run
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
+    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
+    parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop (with a checkpoint) after this global step; --resume later",
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run_preset(args: argparse.Namespace) -> Any:
+    """The preset with the command line's overrides; ValueError for bad values."""
+    from birkhoff.presets import get_preset
+
+    preset = get_preset(args.preset)
+    if preset.rl is None:
+        raise ValueError(f"preset={args.preset!r} has no RL config")
+    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps}
+    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
+    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
+    return preset.replace(rl=rl, train=train)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from birkhoff.train.checkpoint import CheckpointError
+
+    try:
+        preset = run_preset(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    out = args.out or Path("runs") / preset.name
+    device = resolve_device(args.device)
+    if args.resume:
+        if not (out / "checkpoint").is_dir():
+            raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
+    else:
+        prepare_out_dir(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+
+    import torch
+
+    from birkhoff.rl.loop import GRPORun
+    from birkhoff.rl.metrics import plot_run
+
+    threads = args.threads or preset.num_threads
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
+    run = GRPORun(preset, out, device=device)
+    if args.resume:
+        try:
+            run.resume()
+        except (CheckpointError, ValueError) as err:
+            raise UsageError(f"--resume: {err}") from err
+    run.run(stop_after=args.stop_after, progress=not args.no_progress)
+    plot_run(out / "metrics.jsonl", out / "plots.png")
+    for line in run_summary(run.log.rows(), out):
+        print(line)
+    return 0
+
+
+def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
+    evals = [r for r in rows if r["phase"] == "eval"]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    lines = [f"outputs: {out}/metrics.jsonl, {out}/plots.png, {out}/checkpoint"]
+    if evals:
+        first, last = evals[0], evals[-1]
+        for key in ("eval_reward", "eval_sampled_reward"):
+            if key in first:
+                lines.append(
+                    f"{key}: {first[key]:.3f} (step {first['step']}) -> "
+                    f"{last[key]:.3f} (step {last['step']})"
+                )
+    if grpo:
+        mean = lambda key: sum(r.get(key, 0.0) for r in grpo) / len(grpo)  # noqa: E731
+        lines.append(
+            f"GRPO steps {len(grpo)}: MTP acceptance (draft 1) {mean('accept_1'):.3f}, "
+            f"generate {mean('generate_s'):.3f}s, train {mean('train_s'):.3f}s, "
+            f"refit {mean('refit_s') * 1e3:.1f}ms per step"
+        )
+    return lines
+
+
 # ---------------------------------------------------------------------------- entry point
 
 SUBCOMMANDS: dict[
@@ -142,6 +246,11 @@ SUBCOMMANDS: dict[
 ] = {
     "train": ("supervised training of a preset on its task", add_train_arguments, run_train),
     "generate": ("complete prompts with a checkpoint", add_generate_arguments, run_generate),
+    "run": (
+        "supervised warm-up, then GRPO with the engine in the loop",
+        add_run_arguments,
+        run_run,
+    ),
 }
 
 

@@ -5,11 +5,13 @@ the full recipe in one place and the CLI only applies a few overrides (steps, se
 tokenizer is fixed in code, so every preset's vocab_size is the tokenizer's. `rl` is reserved
 for the RL loop's config (None = supervised training only).
 
-- `tiny_cpu`: trains on 2 CPU cores in under 2 minutes and learns 2-digit addition visibly
-  (main loss ~3.9 -> ~0.5, greedy exact match from 0 to a sizeable fraction). Tiny matrices
-  gain nothing from intra-op threads and suffer badly when cores are shared, so it runs on one.
+- `tiny_cpu`: the default main job on 2 CPU cores: 1-digit addition, 100 supervised warm-up
+  steps then 60 GRPO steps (a few minutes), full recompute with safe reclaim; `birkhoff train`
+  with it learns the task within its 800 steps. Tiny matrices gain nothing from intra-op
+  threads and suffer badly when cores are shared, so it runs on one.
 - `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
   benchmark model for one H200.
+- `h200_grpo`: the same trunk for the main job on one H200 (3-digit addition, short sequences).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from birkhoff.config import ModelConfig
+from birkhoff.rl.config import RLConfig
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.config import TrainConfig
 
@@ -32,7 +35,7 @@ class Preset:
     task: str = "addition"
     task_options: dict[str, Any] = field(default_factory=dict)
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    rl: Any = None  # the RL loop's config; None for supervised-only presets
+    rl: RLConfig | None = None  # the RL loop's config; None for supervised-only presets
 
     def replace(self, **changes: Any) -> Preset:
         return dataclasses.replace(self, **changes)
@@ -47,15 +50,30 @@ def tiny_cpu() -> Preset:
         num_streams=4,
         mtp_depth=1,
         max_seq_len=64,
+        recompute="full",
+        reclaim="safe",
     )
-    train = TrainConfig(lr=3e-3, warmup_steps=50, num_steps=800, batch_size=64, log_every=10)
+    train = TrainConfig(lr=3e-3, warmup_steps=30, num_steps=800, batch_size=64, log_every=10)
+    rl = RLConfig(
+        warmup_steps=100,
+        num_steps=60,
+        num_prompts=16,
+        group_size=8,
+        max_new_tokens=4,
+        lr=3e-4,
+        num_speculative_tokens=2,
+        num_eval_prompts=128,
+        eval_every=10,
+        checkpoint_every=10,
+    )
     return Preset(
         name="tiny-cpu",
         model=model,
         train=train,
         task="addition",
-        task_options={"num_digits": 2},
+        task_options={"num_digits": 1},
         num_threads=1,
+        rl=rl,
     )
 
 
@@ -77,7 +95,39 @@ def h200_small() -> Preset:
     )
 
 
-PRESETS: dict[str, Callable[[], Preset]] = {"tiny-cpu": tiny_cpu, "h200-small": h200_small}
+def h200_grpo() -> Preset:
+    """The GPU main job: the h200-small trunk on short task sequences, full recompute."""
+    model = h200_small().model.replace(max_seq_len=128, recompute="full", reclaim="safe")
+    train = TrainConfig(
+        lr=3e-4, warmup_steps=50, num_steps=300, batch_size=64, amp_dtype="bf16", log_every=10
+    )
+    rl = RLConfig(
+        warmup_steps=300,
+        num_steps=30,
+        num_prompts=32,
+        group_size=8,
+        max_new_tokens=6,
+        lr=3e-5,
+        num_speculative_tokens=2,
+        num_eval_prompts=256,
+        eval_every=10,
+        checkpoint_every=10,
+    )
+    return Preset(
+        name="h200-grpo",
+        model=model,
+        train=train,
+        task="addition",
+        task_options={"num_digits": 3},
+        rl=rl,
+    )
+
+
+PRESETS: dict[str, Callable[[], Preset]] = {
+    "tiny-cpu": tiny_cpu,
+    "h200-small": h200_small,
+    "h200-grpo": h200_grpo,
+}
 
 
 def get_preset(name: str) -> Preset:

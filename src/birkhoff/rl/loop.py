@@ -105,7 +105,8 @@ class GRPORun:
     # ------------------------------------------------------------------ phases
 
     def sft_step(self) -> dict[str, Any]:
-        cfg = self.preset.train
+        # the warm-up's lr schedule spans the warm-up, not the preset's supervised run length
+        cfg = self.preset.train.replace(num_steps=max(self.rl.warmup_steps, 1))
         batch = batch_for_step(
             self.task, self.tokenizer, batch_size=cfg.batch_size, seed=cfg.seed, step=self.step
         )
