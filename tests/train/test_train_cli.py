@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from birkhoff.cli import main
 from birkhoff.train.checkpoint import load_checkpoint
@@ -50,6 +51,13 @@ def test_bad_override_exits_2(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), "--steps", "0"]) == 2
     assert "num_steps=0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bf16_preset_on_cpu_exits_2(tmp_path, capsys):
+    assert main(["train", "--preset", "h200-small", "--out", str(tmp_path / "r")]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_console_entry_point_exit_code(tmp_path):
