@@ -178,3 +178,20 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(ValueError, match="extra="):
         save_checkpoint(tmp_path / "ck", model, step=0, extra={"t": torch.zeros(1)})
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_from_cuda(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(model_cfg()).cuda()
+    opt = build_optimizer(model, TRAIN)
+    batch = batch_for_step(AdditionTask(2), CharTokenizer(), batch_size=4, seed=0, step=0)
+    train_step(model, opt, batch.to("cuda"), TRAIN, step=0)
+    save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    model2 = Transformer(model_cfg()).cuda()
+    opt2 = build_optimizer(model2, TRAIN)
+    load_checkpoint(tmp_path / "ck", model=model2, optimizer=opt2, restore_rng=True)
+    assert_same_state(model.state_dict(), model2.state_dict())
+    assert_same_state(opt.state_dict(), opt2.state_dict())
+    assert all(s["exp_avg"].is_cuda for s in opt2.state.values())

@@ -164,3 +164,16 @@ def test_batches_are_a_function_of_seed_and_step():
     b = batch_for_step(task, tok, batch_size=8, seed=1, step=5)
     c = batch_for_step(task, tok, batch_size=8, seed=1, step=6)
     assert torch.equal(a.input_ids, b.input_ids) and not torch.equal(a.input_ids, c.input_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_step_on_cuda_lowers_loss_and_keeps_fp32_master_weights():
+    model, batch = tiny_model().cuda(), addition_batch().to("cuda")
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=30, weight_decay=0.0, amp_dtype="bf16")
+    opt = build_optimizer(model, cfg)
+    assert opt.param_groups[0]["fused"] is True
+    history = [train_step(model, opt, batch, cfg, step=s) for s in range(30)]
+    assert history[-1]["main_loss"] < 0.6 * history[0]["main_loss"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(h["skipped"] == 0.0 for h in history)
