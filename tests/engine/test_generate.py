@@ -18,9 +18,10 @@ def naive_greedy(
 ) -> tuple[list[int], list[float]]:
     """Reference: recompute the full logits every step, take the argmax."""
     ids, logps = list(prompt), []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for _ in range(num_tokens):
-            logp_V = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+            logp_V = model(torch.tensor([ids], device=device)).logits[0, -1].log_softmax(-1)
             ids.append(int(logp_V.argmax()))
             logps.append(float(logp_V[ids[-1]]))
     return ids[len(prompt) :], logps
@@ -155,3 +156,20 @@ def test_seeded_sampling_is_reproducible(trained_model: Transformer) -> None:
     other = engine.generate(RAGGED, SamplingParams(10, temperature=1.0, top_k=5, top_p=0.9, seed=8))
     assert [c.tokens for c in a] == [c.tokens for c in b]
     assert [c.tokens for c in a] != [c.tokens for c in other]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_trainer_and_runs_bf16() -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).cuda().eval()
+    engine = Engine.from_model(model, device="cuda", max_batch_size=8)
+    for k in (0, 3):
+        out = engine.generate(RAGGED, SamplingParams(8, num_speculative_tokens=k))
+        for prompt, completion in zip(RAGGED, out, strict=True):
+            tokens, logps = naive_greedy(model, prompt, 8)
+            assert completion.tokens == tokens
+            torch.testing.assert_close(completion.logprobs, logps, rtol=0, atol=1e-4)
+    bf16 = Engine.from_model(model, device="cuda", dtype=torch.bfloat16, max_batch_size=8)
+    params = SamplingParams(8, temperature=1.0, seed=0, num_speculative_tokens=2)
+    assert all(len(c.tokens) == 8 for c in bf16.generate(RAGGED, params))
