@@ -115,3 +115,15 @@ def test_speculative_and_plain_sample_the_same_distribution(
             stats = engine.last_stats
             assert stats is not None
             assert 0 < stats.accepted_at[0] < stats.num_steps
+
+
+def test_greedy_row_in_a_sampled_batch_keeps_its_greedy_tokens(trained_model: Transformer) -> None:
+    engine = Engine.from_model(trained_model, dtype=torch.float64, max_batch_size=8)
+    greedy = engine.generate(RAGGED[:2], SamplingParams(12))
+    params = [SamplingParams(12), SamplingParams(12, temperature=1.0, num_speculative_tokens=2)]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine.generate(RAGGED[:2], params)
+    params[0] = SamplingParams(12, num_speculative_tokens=2)
+    mixed = engine.generate(RAGGED[:2], params)
+    assert mixed[0].tokens == greedy[0].tokens
+    assert mixed[0].logprobs == pytest.approx(greedy[0].logprobs, abs=1e-12)
