@@ -39,20 +39,20 @@ def one_thread() -> None:
 
 @pytest.mark.slow
 def test_grpo_raises_reward_on_fixed_seed(tmp_path: Path) -> None:
-    # 60 supervised steps leave 1-digit addition half learned; 24 GRPO steps must lift the
-    # sampled reward on the fixed held-out problems by at least 0.03 (seed 0; the margin is
-    # well below the gain measured for this seed, and far above run-to-run noise: the run is
+    # 80 supervised steps leave 1-digit addition partly learned; 30 GRPO steps must lift the
+    # sampled reward on the fixed held-out problems by at least 0.03 (seed 0: measured
+    # 0.260 -> 0.332; the margin is well below that gain, and far above run-to-run noise: the run is
     # deterministic on CPU).
     preset = tiny_cpu()
     assert preset.rl is not None
     rl = preset.rl.replace(
-        warmup_steps=60, num_steps=24, num_eval_prompts=64, eval_every=24, checkpoint_every=0
+        warmup_steps=80, num_steps=30, num_eval_prompts=64, eval_every=10, checkpoint_every=0
     )
     run = GRPORun(preset.replace(rl=rl), tmp_path, device="cpu")
     rows = run.run(progress=False)
     evals = [r for r in rows if r["phase"] == "eval"]
     before, after = evals[0], evals[-1]
-    assert (before["step"], after["step"]) == (60, 84)
+    assert (before["step"], after["step"]) == (80, 110)
     gain = after["eval_sampled_reward"] - before["eval_sampled_reward"]
     print(
         f"sampled reward {before['eval_sampled_reward']:.3f} -> "

@@ -66,10 +66,10 @@ class MetricsLog:
 
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward", "eval_reward")),
+    ("reward", ("reward", "eval_sampled_reward", "eval_reward")),
     ("loss", ("main_loss", "policy_loss", "mtp_loss")),
     ("MTP acceptance", ("accept_1", "accept_2", "accept_3", "eval_accept_1")),
-    ("memory (MiB)", ("mem_peak_mib",)),
+    ("peak memory, MiB (CUDA: allocated; CPU: process RSS)", ("mem_peak_mib",)),
     ("seconds per step", ("generate_s", "train_s", "refit_s")),
 )
 
