@@ -39,13 +39,19 @@ def train_briefly(cfg: ModelConfig, *, steps: int, seed: int = 0) -> Transformer
     model = Transformer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = fibonacci_batch(16, 16, cfg.vocab_size, 0.1, gen)
-        loss = model(ids, labels=ids).loss
-        assert loss is not None
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # one thread: tensors this small gain nothing from more, and a busy machine makes more slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            ids = fibonacci_batch(16, 16, cfg.vocab_size, 0.1, gen)
+            loss = model(ids, labels=ids).loss
+            assert loss is not None
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return model.eval()
 
 
