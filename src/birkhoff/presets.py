@@ -11,7 +11,7 @@ for the RL loop's config (None = supervised training only).
   threads and suffer badly when cores are shared, so it runs on one.
 - `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
   benchmark model for one H200.
-- `h200_grpo`: the same trunk for the main job on one H200 (3-digit addition, short sequences).
+- `h200_grpo`: the same trunk for the main job on one H200 (1-digit addition, short sequences).
 """
 
 from __future__ import annotations
@@ -99,26 +99,27 @@ def h200_grpo() -> Preset:
     """The GPU main job: the h200-small trunk on short task sequences, full recompute."""
     model = h200_small().model.replace(max_seq_len=128, recompute="full", reclaim="safe")
     train = TrainConfig(
-        lr=3e-4, warmup_steps=50, num_steps=300, batch_size=64, amp_dtype="bf16", log_every=10
+        lr=1e-3, warmup_steps=30, num_steps=250, batch_size=128, amp_dtype="bf16", log_every=10
     )
     rl = RLConfig(
-        warmup_steps=300,
-        num_steps=30,
+        warmup_steps=250,
+        num_steps=20,
         num_prompts=32,
         group_size=8,
-        max_new_tokens=6,
+        max_new_tokens=4,
         lr=3e-5,
         num_speculative_tokens=2,
         num_eval_prompts=256,
         eval_every=10,
         checkpoint_every=10,
+        refit_bucket_bytes=256 << 20,
     )
     return Preset(
         name="h200-grpo",
         model=model,
         train=train,
         task="addition",
-        task_options={"num_digits": 3},
+        task_options={"num_digits": 1},
         rl=rl,
     )
 

@@ -32,11 +32,6 @@ def deterministic(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if is_deterministic_key(k)} for r in rows]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 @pytest.mark.slow
 def test_grpo_raises_reward_on_fixed_seed(tmp_path: Path) -> None:
     # 80 supervised steps leave 1-digit addition partly learned; 30 GRPO steps must lift the
