@@ -16,7 +16,7 @@ commits a partial update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,35 +25,12 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 from birkhoff.refit.bucket import Bucket, BucketPacker
 from birkhoff.refit.fp8 import FP8_DTYPE, quantize_fp8_blockwise
-from birkhoff.refit.layout import is_matmul_weight, split_fused_part, trainer_tensors
+from birkhoff.refit.layout import engine_sources, is_matmul_weight, trainer_tensors
 from birkhoff.refit.session import RefitReport, RefitTarget
 from birkhoff.refit.transport import InProcessTransport, Transport
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 SCALE_SUFFIX = "_scale_inv"
-
-
-def engine_sources(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, list[Tensor]]]:
-    """(engine name, parts) as soon as all parts are in; the engine tensor is cat(parts, dim=0).
-
-    Same grouping as `layout.to_engine_layout`, minus the concatenation.
-    """
-    pending: dict[str, list[Tensor | None]] = {}
-    for name, tensor in named:
-        fused = split_fused_part(name)
-        if fused is None:
-            yield name, [tensor]
-            continue
-        engine_name, index, num_parts = fused
-        parts = pending.setdefault(engine_name, [None] * num_parts)
-        if parts[index] is not None:
-            raise ValueError(f"trainer tensor {name!r} arrived twice")
-        parts[index] = tensor
-        if all(p is not None for p in parts):
-            yield engine_name, [p for p in parts if p is not None]
-            del pending[engine_name]
-    if pending:
-        raise ValueError(f"incomplete fusions (missing parts): {sorted(pending)}")
 
 
 def manifest_quantize(manifest: Mapping[str, Any]) -> str | None:

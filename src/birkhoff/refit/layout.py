@@ -67,16 +67,17 @@ def trainer_tensors(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[
             yield name, buffer.detach()
 
 
-def to_engine_layout(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """Map trainer (name, tensor) pairs to engine pairs, fusing q/k/v and gate/up.
+def engine_sources(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, list[Tensor]]]:
+    """(engine name, parts) as soon as all parts are in; the engine tensor is cat(parts, dim=0).
 
-    Raises ValueError if a fusion is left incomplete or a part arrives twice.
+    Unfused tensors come through as one part. Raises ValueError if a fusion is left incomplete
+    or a part arrives twice. Refit packs the parts straight into buckets (no concatenation).
     """
     pending: dict[str, list[Tensor | None]] = {}
     for name, tensor in named:
         fused = split_fused_part(name)
         if fused is None:
-            yield name, tensor
+            yield name, [tensor]
             continue
         engine_name, index, num_parts = fused
         parts = pending.setdefault(engine_name, [None] * num_parts)
@@ -84,10 +85,16 @@ def to_engine_layout(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str,
             raise ValueError(f"trainer tensor {name!r} arrived twice")
         parts[index] = tensor
         if all(p is not None for p in parts):
-            yield engine_name, torch.cat([p for p in parts if p is not None], dim=0)
+            yield engine_name, [p for p in parts if p is not None]
             del pending[engine_name]
     if pending:
         raise ValueError(f"incomplete fusions (missing parts): {sorted(pending)}")
+
+
+def to_engine_layout(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Map trainer (name, tensor) pairs to engine pairs, fusing q/k/v and gate/up."""
+    for name, parts in engine_sources(named):
+        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def engine_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
