@@ -6,7 +6,7 @@ tokenizer is fixed in code, so every preset's vocab_size is the tokenizer's. `rl
 for the RL loop's config (None = supervised training only).
 
 - `tiny_cpu`: the default main job on 2 CPU cores: 1-digit addition, 100 supervised warm-up
-  steps then 100 GRPO steps (about two minutes), full recompute with safe reclaim; `birkhoff train`
+  steps then 150 GRPO steps (about a minute), full recompute with safe reclaim; `birkhoff train`
   with it learns the task within its 800 steps. Tiny matrices gain nothing from intra-op
   threads and suffer badly when cores are shared, so it runs on one.
 - `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
@@ -56,7 +56,7 @@ def tiny_cpu() -> Preset:
     train = TrainConfig(lr=3e-3, warmup_steps=30, num_steps=800, batch_size=64, log_every=10)
     rl = RLConfig(
         warmup_steps=100,
-        num_steps=60,
+        num_steps=150,
         num_prompts=16,
         group_size=8,
         max_new_tokens=4,

@@ -47,7 +47,10 @@ class MetricsLog:
             f.write(json.dumps(row, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self.last.update({k: v for k, v in row.items() if isinstance(v, float)})
+        floats = {k: v for k, v in row.items() if isinstance(v, float)}
+        if row.get("phase") != "eval":  # keep the latest eval, drop the other phase's keys
+            self.last = {k: v for k, v in self.last.items() if k.startswith("eval_")}
+        self.last.update(floats)
 
     def rows(self) -> list[dict[str, Any]]:
         if not self.path.exists():
