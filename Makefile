@@ -13,7 +13,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: run test lint
 run: .venv/.installed
-	.venv/bin/birkhoff run --preset tiny-cpu --out runs/default
+	.venv/bin/birkhoff run --preset tiny-cpu --out runs/default --overwrite
 
 lint: .venv/.installed
 	.venv/bin/ruff format --check src tests benchmarks
