@@ -77,6 +77,24 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
+def test_kl_to_frozen_reference_and_resume(tmp_path: Path) -> None:
+    from birkhoff.rl.loss import GRPOLossConfig
+
+    kl = GRPOLossConfig(kl_weight=0.1)
+    full = GRPORun(small_preset(loss=kl), tmp_path / "full", device="cpu")
+    rows = [r for r in full.run(progress=False) if r["phase"] == "grpo"]
+    assert rows[0]["kl_ref"] == 0.0  # first update: the policy is the reference
+    assert all(r["kl_ref"] > 0 for r in rows[1:])
+    assert (tmp_path / "full" / "reference" / "manifest.json").exists()
+    part = GRPORun(small_preset(loss=kl), tmp_path / "part", device="cpu")
+    part.run(stop_after=6, progress=False)
+    resumed = GRPORun(small_preset(loss=kl), tmp_path / "part", device="cpu")
+    resumed.resume()
+    assert resumed.reference is not None
+    resumed.run(progress=False)
+    assert deterministic(resumed.log.rows()) == deterministic(full.log.rows())
+
+
 def test_stale_completions_are_refused(tmp_path: Path) -> None:
     run = GRPORun(small_preset(warmup_steps=0, updates_per_step=2, max_staleness=0), tmp_path)
     with pytest.raises(StaleRolloutError, match="1 updates behind.*max_staleness=0"):

@@ -16,6 +16,7 @@ to the checkpoint's step on resume.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from pathlib import Path
@@ -38,25 +39,33 @@ from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
 from birkhoff.train.data import batch_for_step, step_rng
 from birkhoff.train.optim import build_optimizer
-from birkhoff.train.step import Metrics, train_step
+from birkhoff.train.step import LossFn, Metrics, train_step
 
 CHECKPOINT_DIR = "checkpoint"
+REFERENCE_DIR = "reference"  # frozen policy at the start of GRPO (only with a KL weight)
 
 
-def grpo_loss_fn(cfg: RLConfig):  # noqa: ANN201 - returns a train.step.LossFn
-    """GRPO policy loss on the completion tokens + the MTP loss on the same tokens."""
+def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
+    """GRPO policy loss on the completion tokens (+ KL to `reference`) + the MTP loss."""
 
     def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
         out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
         # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]; the
         # rollouts sampled from softmax(logits / temperature), so the ratio uses the same
-        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, batch.input_ids[:, 1:])
+        tokens_BT = batch.input_ids[:, 1:]
+        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, tokens_BT)
+        ref_logp_BT = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logits_BTV = reference(batch.input_ids).logits[:, :-1]
+            ref_logp_BT = token_logprobs(ref_logits_BTV / cfg.temperature, tokens_BT)
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],
             batch.advantages,
             batch.completion_mask[:, 1:],
             cfg.loss,
+            ref_logp_BT=ref_logp_BT,
         )
         mtp_loss = torch.stack(out.mtp_losses).mean() if out.mtp_losses else policy_loss * 0
         result: Metrics = dict(metrics)
@@ -79,6 +88,7 @@ class GRPORun:
         torch.manual_seed(preset.train.seed)
         self.model = Transformer(preset.model).to(self.device)
         self.optimizer = build_optimizer(self.model, preset.train)
+        self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()
@@ -116,6 +126,8 @@ class GRPORun:
 
     def grpo_step(self) -> dict[str, Any]:
         rl, seed = self.rl, self.preset.train.seed
+        if rl.loss.kl_weight > 0 and self.reference is None:
+            self.reference = self.freeze_reference()
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
         ro = rollout(
             self.engine, problems, self.task, self.tokenizer, rl, seed=seed * 1_000_003 + self.step
@@ -134,7 +146,7 @@ class GRPORun:
                 batch,
                 train_cfg,
                 step=self.step,
-                loss_fn=grpo_loss_fn(rl),
+                loss_fn=grpo_loss_fn(rl, self.reference),
             )
             self.trainer_version += 1
         train_s = time.perf_counter() - start
@@ -206,6 +218,12 @@ class GRPORun:
             extra=extra,
         )
 
+    def freeze_reference(self) -> Transformer:
+        """A frozen copy of the current policy, saved atomically so a resumed run reuses it."""
+        reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        save_checkpoint(self.out / REFERENCE_DIR, reference, step=self.step)
+        return reference
+
     def resume(self) -> None:
         """Restore model, optimizer and step from the run's checkpoint; truncate the metrics."""
         loaded = load_checkpoint(
@@ -222,6 +240,10 @@ class GRPORun:
         self.engine = self.build_engine()
         self.engine.weight_version = int(loaded.extra["engine_version"])
         self.log.truncate_after(self.step)
+        if (self.out / REFERENCE_DIR).is_dir() and self.rl.loss.kl_weight > 0:
+            reference = Transformer(self.preset.model).to(self.device)
+            load_checkpoint(self.out / REFERENCE_DIR, model=reference)
+            self.reference = reference.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ the loop
 
