@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.refit.bucket import Bucket, BucketPacker
+from birkhoff.refit.bucket import MIN_BUCKET_BYTES, Bucket, BucketPacker
 from birkhoff.refit.fp8 import FP8_DTYPE, quantize_fp8_blockwise
 from birkhoff.refit.layout import engine_sources, is_matmul_weight, trainer_tensors
+from birkhoff.refit.plan import RefitPlan, cached_plan, store_plan
 from birkhoff.refit.session import RefitReport, RefitTarget
 from birkhoff.refit.transport import InProcessTransport, Transport
 
@@ -35,7 +36,7 @@ SCALE_SUFFIX = "_scale_inv"
 
 def manifest_quantize(manifest: Mapping[str, Any]) -> str | None:
     """'fp8' if the manifest serves any matmul weight in fp8, else None."""
-    fp8 = any(is_matmul_weight(n) and spec.dtype == FP8_DTYPE for n, spec in manifest.items())
+    fp8 = any(spec.dtype == FP8_DTYPE and is_matmul_weight(n) for n, spec in manifest.items())
     return "fp8" if fp8 else None
 
 
@@ -81,21 +82,50 @@ def refit(
         if engine is None:
             raise ValueError("engine=None needs a transport")
         transport = InProcessTransport(engine)
-    num_buffers = None if transport.adopts_buckets else 2
-    packer = BucketPacker(bucket_bytes, device=transport.device, num_buffers=num_buffers)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} is invalid: must be an int >= 16")
+    adopts = transport.adopts_buckets
     transport.begin()
     try:
         manifest = transport.manifest()
         served = manifest_quantize(manifest)
         if served != quantize:
             raise ValueError(f"quantize={quantize!r} but the engine serves quantize={served!r}")
+        plan = cached_plan(
+            model, manifest, bucket_bytes=bucket_bytes, device=transport.device, adopts=adopts
+        )
         with torch.no_grad():
-            for name, parts in engine_sources(trainer_tensors(model, cfg)):
-                for bucket in pack_engine_tensor(packer, name, parts, manifest):
+            if plan is not None:
+                for bucket in plan.buckets_now():
                     transport.send(bucket)
-            for bucket in packer.flush():
-                transport.send(bucket)
-        return transport.finish(check_finite=check_finite)
+            else:
+                packer = stream_buckets(model, cfg, transport, manifest, bucket_bytes, quantize)
+        report = transport.finish(check_finite=check_finite)
     except BaseException:
         transport.abort()  # idempotent: a no-op once finish() has ended the session
         raise
+    if plan is None and quantize is None:  # a layout that just committed: replay it next time
+        store_plan(model, RefitPlan(model, packer, manifest, adopts=adopts))
+    return report
+
+
+def stream_buckets(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    transport: Transport,
+    manifest: Mapping[str, Any],
+    bucket_bytes: int,
+    quantize: str | None,
+) -> BucketPacker:
+    """The planless refit: traverse, group, pack and send; returns the (recording) packer."""
+    num_buffers = None if transport.adopts_buckets else 2
+    packer = BucketPacker(
+        bucket_bytes, device=transport.device, num_buffers=num_buffers, record=quantize is None
+    )
+    # Parameters themselves (not detached views) so that a recorded plan reads current values
+    for name, parts in engine_sources(trainer_tensors(model, cfg, detach=quantize is not None)):
+        for bucket in pack_engine_tensor(packer, name, parts, manifest):
+            transport.send(bucket)
+    for bucket in packer.flush():
+        transport.send(bucket)
+    return packer

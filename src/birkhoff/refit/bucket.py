@@ -54,6 +54,9 @@ class Bucket:
     entries: list[BucketEntry] = field(default_factory=list)
     # the sender will never write this buffer again: a receiver may keep views into it
     transferable: bool = False
+    # optional, in-process only: per entry, its whole tensor as a typed, shaped view of `buffer`
+    # (None for a chunk), made by a sender that had them anyway, so the receiver need not
+    views: list[Tensor | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +96,8 @@ class _Copy(NamedTuple):
     nbytes: int
     dtype: torch.dtype
     src: Tensor  # flat source elements (any dtype, any device)
+    part: Tensor  # the part `src` was taken from, as handed to `add`
+    start: int  # element offset of `src` in the flattened part
 
 
 class BucketPacker:
@@ -107,7 +112,12 @@ class BucketPacker:
     """
 
     def __init__(
-        self, bucket_bytes: int, *, device: torch.device | str, num_buffers: int | None = None
+        self,
+        bucket_bytes: int,
+        *,
+        device: torch.device | str,
+        num_buffers: int | None = None,
+        record: bool = False,
     ) -> None:
         if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} is invalid: must be an int >= 16")
@@ -121,6 +131,10 @@ class BucketPacker:
         self._pos = 0  # aligned offset where the next tensor starts
         self._entries: list[BucketEntry] = []
         self._copies: list[_Copy] = []
+        # with record=True: (entries, copies, bytes used) of every closed bucket, for a RefitPlan
+        self.closed: list[tuple[list[BucketEntry], list[_Copy], int]] | None = (
+            [] if record else None
+        )
 
     def _buffer(self, nbytes: int) -> Tensor:
         """Exactly `nbytes` fresh (transferable) or a slice of a cycled pool buffer."""
@@ -139,6 +153,8 @@ class BucketPacker:
             dst = typed_views(buffer, spans)
             torch._foreach_copy_(dst, [c.src for c in self._copies], non_blocking=True)
         bucket = Bucket(self._index, buffer, self._entries, self.num_buffers is None)
+        if self.closed is not None:
+            self.closed.append((self._entries, self._copies, used))
         self._index += 1
         self._pos, self._entries, self._copies = 0, [], []
         return bucket
@@ -156,8 +172,9 @@ class BucketPacker:
             offset = self._pos
             self._entries.append(BucketEntry(name, dtype, shape, offset, total, 0, total))
             for part in parts:
-                self._copies.append(_Copy(offset, part.numel() * itemsize, dtype, part.reshape(-1)))
-                offset += part.numel() * itemsize
+                nbytes = part.numel() * itemsize
+                self._copies.append(_Copy(offset, nbytes, dtype, part.reshape(-1), part, 0))
+                offset += nbytes
             self._pos = min(_align(offset), self.bucket_bytes)
             return
         if total == 0:  # an empty tensor still announces itself (offset is meaningless)
@@ -180,7 +197,7 @@ class BucketPacker:
                     offset, first = 0, done
                     continue
                 self._copies.append(
-                    _Copy(pos, count * itemsize, dtype, flat[start : start + count])
+                    _Copy(pos, count * itemsize, dtype, flat[start : start + count], part, start)
                 )
                 start, done = start + count, done + count * itemsize
         self._entries.append(BucketEntry(name, dtype, shape, offset, done - first, first, total))
@@ -259,6 +276,32 @@ class Assembler:
         self.specs[name] = (entry.dtype, tuple(entry.shape), entry.total_nbytes)
         self.covered[name], self._ranges[name] = entry.nbytes, [(0, entry.nbytes)]
         return True
+
+    def adopt_views(self, bucket: Bucket) -> None:
+        """`adopt` for a bucket that carries its views: each whole tensor is kept as its view.
+
+        A view that does not match its entry exactly, a repeated name or a chunk goes through
+        `add` (bookkeeping identical to `adopt`); this is `adopt` without a Python-level view op
+        per tensor.
+        """
+        assert bucket.views is not None and len(bucket.views) == len(bucket.entries)
+        tensors, specs, covered, ranges = self.tensors, self.specs, self.covered, self._ranges
+        for entry, view in zip(bucket.entries, bucket.views, strict=True):
+            name, nbytes = entry.name, entry.nbytes
+            if (
+                view is None
+                or not nbytes
+                or name in tensors
+                or entry.chunk_offset
+                or nbytes != entry.total_nbytes
+                or view.dtype != entry.dtype
+                or view.shape != entry.shape
+            ):
+                self.add(entry, bucket.buffer[entry.offset : entry.offset + nbytes])
+                continue
+            tensors[name] = view
+            specs[name] = (entry.dtype, tuple(entry.shape), nbytes)
+            covered[name], ranges[name] = nbytes, [(0, nbytes)]
 
     def _claim(self, name: str, lo: int, hi: int) -> bool:
         """Record [lo, hi) as received; False (and mark duplicated) if it overlaps earlier data."""

@@ -50,21 +50,25 @@ def is_matmul_weight(engine_name: str) -> bool:
     return engine_name.endswith(MATMUL_SUFFIXES)
 
 
-def trainer_tensors(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+def trainer_tensors(
+    model: torch.nn.Module, cfg: ModelConfig, *, detach: bool = True
+) -> Iterator[tuple[str, Tensor]]:
     """The trainer tensors the engine needs, once each (a tied lm_head is skipped).
 
     The state_dict's entries (parameters, then persistent buffers; detached, not copied), read
     through named_parameters/named_buffers: `state_dict()` costs ~10 us per module in hooks and
-    recursion, which a refit of a few hundred tensors pays on every update.
+    recursion, which a refit of a few hundred tensors pays on every update. `detach=False`
+    yields the Parameter objects themselves (a refit plan keeps them: reading a Parameter always
+    gives its current data, even after `param.data = ...`).
     """
     for name, tensor in model.named_parameters(remove_duplicate=False):
         if cfg.tie_embeddings and name == "lm_head.weight":
             continue
-        yield name, tensor.detach()
+        yield name, tensor.detach() if detach else tensor
     for name, buffer in model.named_buffers(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
         if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
-            yield name, buffer.detach()
+            yield name, buffer.detach() if detach else buffer
 
 
 def engine_sources(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, list[Tensor]]]:

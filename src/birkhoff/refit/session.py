@@ -149,10 +149,14 @@ class RefitSession:
         """
         if self._staging is None:
             raise RuntimeError("load_bucket() before begin()")
-        store = self._staging.adopt if bucket.transferable else self._staging.add
-        for entry, chunk in unpack_typed(bucket):
-            store(entry, chunk)
-            self._bytes += entry.nbytes
+        if bucket.transferable and bucket.views is not None:
+            self._staging.adopt_views(bucket)
+            self._bytes += sum(entry.nbytes for entry in bucket.entries)
+        else:
+            store = self._staging.adopt if bucket.transferable else self._staging.add
+            for entry, chunk in unpack_typed(bucket):
+                store(entry, chunk)
+                self._bytes += entry.nbytes
         self._num_buckets += 1
 
     def check(self, *, check_finite: bool = False) -> RefitError:

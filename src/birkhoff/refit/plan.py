@@ -1,0 +1,227 @@
+"""RefitPlan: one model's bucket layout, kept across refits so a refit only issues the copies.
+
+A refit's host-side cost is per tensor (module traversal, grouping of fused parts, placement,
+views, staging), while its device work is one `torch._foreach_copy_` per bucket. The plan is
+recorded from a successful planless refit (`BucketPacker(record=True)`) and replays it: per
+bucket, the source tensors in copy order and meta-device *templates* from which one
+`unflatten_dense_tensors` call per dtype makes every destination view (the copies) and every
+served view (the engine's tensors) of a bucket buffer, so no Python-level op runs per tensor.
+
+Freshness: the sources are the Parameter/buffer objects themselves, never detached views, so a
+replayed copy reads their current data (also after `param.data = new`). Before each replay,
+`matches` checks in one pass what the layout depends on, and the caller records a new plan
+on any difference: the model's config object, the identity and order of every module's
+submodules, parameters and buffers (a replaced Parameter or module), every source's shape,
+the engine manifest (names, shapes, dtypes), the bucket size, the device and the transport's
+buffer mode. Source dtypes and devices need no check: the cast and the transfer are part of
+the copy, and the entry dtype comes from the manifest.
+
+Buffer ownership: for a transport that adopts buckets (in process), every replay allocates
+fresh bucket buffers, exactly like a planless refit, so the engine's committed tensors, and a
+generation still reading them, never alias memory that a later refit writes. For a transport
+that copies the payload (broadcast), the plan cycles two buffers like `BucketPacker`.
+Left out: fp8 refits (quantization dominates; they keep the streaming path), and detecting a
+persistent buffer re-registered as non-persistent under the same object.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+from birkhoff.refit.bucket import Bucket, BucketEntry, BucketPacker, _align, _Copy
+
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, RefitPlan] = weakref.WeakKeyDictionary()
+
+
+def _template(shape: tuple[int, ...] | torch.Size) -> Tensor:
+    return torch.empty(shape, device="meta")
+
+
+def _templates(
+    spans: list[tuple[int, int, tuple[int, ...] | torch.Size]], itemsize: int
+) -> tuple[list[Tensor], list[int]]:
+    """Templates for ascending (offset, nbytes, shape) spans of one dtype: gaps, then spans.
+
+    Returns the templates and the index of each span's template among them.
+    """
+    templates: list[Tensor] = []
+    where: list[int] = []
+    pos = 0
+    for offset, nbytes, shape in spans:
+        assert offset % itemsize == 0 and offset >= pos, "spans must be aligned and ascending"
+        if offset > pos:
+            templates.append(_template(((offset - pos) // itemsize,)))
+        where.append(len(templates))
+        templates.append(_template(shape))
+        pos = offset + nbytes
+    return templates, where
+
+
+@dataclass(slots=True)
+class _Group:
+    """The spans of one dtype in a bucket."""
+
+    dtype: torch.dtype
+    copy_templates: list[Tensor]
+    copy_where: list[int]
+    served_templates: list[Tensor]
+    served_where: list[int]
+    served_entries: list[int]  # index in the bucket's entries of each served view
+
+
+@dataclass(slots=True)
+class _PlannedBucket:
+    entries: list[BucketEntry]
+    nbytes: int
+    alloc: int  # nbytes rounded up so that every dtype can view the whole allocation
+    groups: list[_Group]
+    sources: list[Tensor]  # in copy order: group by group, ascending offset
+    chunks: list[tuple[int, Tensor, int, int]]  # (index in sources, part, start, count)
+
+
+def _plan_bucket(entries: list[BucketEntry], copies: list[_Copy], nbytes: int) -> _PlannedBucket:
+    groups: list[_Group] = []
+    sources: list[Tensor] = []
+    chunks: list[tuple[int, Tensor, int, int]] = []
+    for dtype in dict.fromkeys(c.dtype for c in copies):
+        mine = sorted((c for c in copies if c.dtype == dtype), key=lambda c: c.offset)
+        copy_spans: list[tuple[int, int, tuple[int, ...] | torch.Size]] = []
+        for c in mine:
+            count = c.nbytes // dtype.itemsize
+            if c.start or count != c.part.numel():  # a chunk of a split tensor: flat
+                chunks.append((len(sources), c.part, c.start, count))
+                copy_spans.append((c.offset, c.nbytes, (count,)))
+            else:  # a whole part: its own shape, so the Parameter itself is the copy source
+                copy_spans.append((c.offset, c.nbytes, c.part.shape))
+            sources.append(c.part)
+        served = [
+            i
+            for i, e in enumerate(entries)
+            if e.dtype == dtype and e.nbytes == e.total_nbytes > 0 and not e.chunk_offset
+        ]
+        served_spans = [(entries[i].offset, entries[i].nbytes, entries[i].shape) for i in served]
+        ct, cw = _templates(copy_spans, dtype.itemsize)
+        st, sw = _templates(served_spans, dtype.itemsize)
+        groups.append(_Group(dtype, ct, cw, st, sw, served))
+    return _PlannedBucket(entries, nbytes, _align(nbytes), groups, sources, chunks)
+
+
+def _structure(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[Any]:
+    """Every submodule, parameter and buffer object of the model, in registration order."""
+    return [
+        v
+        for m in (model, *modules)
+        for d in (m._modules, m._parameters, m._buffers)
+        for v in d.values()
+    ]
+
+
+class RefitPlan:
+    """The recorded bucket layout of one model for one manifest, bucket size and transport."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        packer: BucketPacker,
+        manifest: Mapping[str, Any],
+        *,
+        adopts: bool,
+    ) -> None:
+        assert packer.closed is not None, "plan needs a recording packer"
+        self.cfg = getattr(model, "cfg", None)
+        self.bucket_bytes, self.device, self.adopts = packer.bucket_bytes, packer.device, adopts
+        self.manifest = dict(manifest)
+        self._modules = list(model.modules())[1:]  # not the model: the cache must not keep it
+        self._objects = _structure(model, self._modules)  # held, so their ids stay unique
+        self._ids = [id(v) for v in self._objects]
+        self.buckets = [_plan_bucket(*closed) for closed in packer.closed]
+        self._params = list({id(p): p for b in self.buckets for p in b.sources}.values())
+        self._shapes = [p.shape for p in self._params]
+        self._pool: list[Tensor] = []
+
+    def matches(
+        self,
+        model: torch.nn.Module,
+        manifest: Mapping[str, Any],
+        *,
+        bucket_bytes: int,
+        device: torch.device,
+        adopts: bool,
+    ) -> bool:
+        """True if replaying gives exactly the buckets a planless refit would give now."""
+        return (
+            getattr(model, "cfg", None) is self.cfg
+            and bucket_bytes == self.bucket_bytes
+            and device == self.device
+            and adopts == self.adopts
+            and [id(v) for v in _structure(model, self._modules)] == self._ids
+            and [p.shape for p in self._params] == self._shapes
+            and manifest == self.manifest
+        )
+
+    def _buffer(self, index: int, alloc: int) -> Tensor:
+        if self.adopts:  # fresh: the engine will serve views of it
+            return torch.empty(alloc, dtype=torch.uint8, device=self.device)
+        if not self._pool:
+            size = max(b.alloc for b in self.buckets)
+            self._pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
+        return self._pool[index % 2][:alloc]
+
+    def buckets_now(self) -> Iterator[Bucket]:
+        """The buckets with the sources' current values (copies issued, not synced)."""
+        unflatten = torch._C._nn.unflatten_dense_tensors
+        for index, planned in enumerate(self.buckets):
+            buffer = self._buffer(index, planned.alloc)
+            dst: list[Tensor] = []
+            views: list[Tensor | None] = [None] * len(planned.entries)
+            for g in planned.groups:
+                typed = buffer.view(g.dtype)
+                made = unflatten(typed, g.copy_templates)
+                dst += [made[i] for i in g.copy_where]
+                made = unflatten(typed, g.served_templates)
+                for entry, i in zip(g.served_entries, g.served_where, strict=True):
+                    views[entry] = made[i]
+            sources = planned.sources
+            if planned.chunks:
+                sources = list(sources)
+                for at, part, start, count in planned.chunks:
+                    sources[at] = part.reshape(-1)[start : start + count]
+            if dst:
+                torch._foreach_copy_(dst, sources, non_blocking=True)
+            yield Bucket(index, buffer[: planned.nbytes], planned.entries, self.adopts,
+                         views if self.adopts else None)  # fmt: skip
+
+
+def cached_plan(
+    model: torch.nn.Module,
+    manifest: Mapping[str, Any],
+    *,
+    bucket_bytes: int,
+    device: torch.device,
+    adopts: bool,
+) -> RefitPlan | None:
+    """The model's plan if it still matches everything it depends on, else None."""
+    plan = _PLANS.get(model)
+    if plan is None:
+        return None
+    if plan.matches(model, manifest, bucket_bytes=bucket_bytes, device=device, adopts=adopts):
+        return plan
+    del _PLANS[model]  # stale: release its references before a new one is recorded
+    return None
+
+
+def store_plan(model: torch.nn.Module, plan: RefitPlan) -> None:
+    assert isinstance(plan.cfg, ModelConfig)
+    _PLANS[model] = plan
+
+
+def current_plan(model: torch.nn.Module) -> RefitPlan | None:
+    """The plan recorded for `model` (checked only when a refit replays it)."""
+    return _PLANS.get(model)

@@ -1,0 +1,188 @@
+"""The refit plan: replays must deliver current values and every invalidation must be caught."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from refit_helpers import PROMPTS, make_engine, make_model, run, tiny_config
+
+from birkhoff.model import Transformer
+from birkhoff.refit import RefitError, refit
+from birkhoff.refit.bucket import Bucket
+from birkhoff.refit.plan import current_plan
+from birkhoff.refit.session import RefitReport
+from birkhoff.refit.transport import InProcessTransport
+
+CFG = tiny_config()
+BUCKETS = [16, 1000, 1 << 20]  # every tensor split, some split, one bucket
+
+
+def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        for n in a
+    )
+
+
+def fresh(model: Transformer, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    return make_engine(model, dtype=dtype).weights
+
+
+def train_step(model: Transformer, seed: int) -> None:
+    """One real optimizer step (in place), so every weight changes."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, CFG.vocab_size, (2, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(ids, labels=ids).loss
+    assert loss is not None
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_replayed_refit_after_train_steps_equals_fresh_engine(bucket_bytes: int) -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=bucket_bytes)
+    plan = current_plan(model)
+    assert plan is not None and bit_equal(engine.weights, fresh(model))
+    for step in range(3):
+        train_step(model, seed=step)
+        assert not bit_equal(engine.weights, fresh(model))
+        report = refit(model, engine, bucket_bytes=bucket_bytes)
+        assert current_plan(model) is plan  # replayed, not re-recorded
+        assert report.version == engine.weight_version == step + 2
+        assert bit_equal(engine.weights, fresh(model))
+
+
+def test_committed_weights_are_never_overwritten_by_a_later_refit() -> None:
+    """The engine (or a generation) may still read version n while version n+1 is packed."""
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1 << 20)
+    served = []
+    for step in range(3):
+        served.append((engine.weights, {n: t.clone() for n, t in engine.weights.items()}))
+        train_step(model, seed=step)
+        refit(model, engine, bucket_bytes=1 << 20)
+    assert all(bit_equal(held, snapshot) for held, snapshot in served)
+    storages = [{t.untyped_storage().data_ptr() for t in held.values()} for held, _ in served]
+    assert not set.intersection(*storages)
+
+
+def test_generate_between_refits_sees_each_version() -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1000)
+    for step in range(2):
+        got = run(engine)
+        want = run(make_engine(model, dtype=torch.bfloat16))
+        assert [r[:2] for r in got] == [r[:2] for r in want]
+        assert {r[2] for r in got} == {engine.weight_version}
+        train_step(model, seed=step)
+        refit(model, engine, bucket_bytes=1000)
+    want = run(make_engine(model, dtype=torch.bfloat16))
+    assert [r[:2] for r in run(engine)] == [r[:2] for r in want] and len(want) == len(PROMPTS)
+
+
+def test_replaced_parameter_object_is_picked_up() -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1000)
+    plan = current_plan(model)
+    module = model.get_submodule("layers.0.attn.wq")
+    module.weight = torch.nn.Parameter(torch.randn_like(module.weight))
+    refit(model, engine, bucket_bytes=1000)
+    assert current_plan(model) is not plan
+    assert bit_equal(engine.weights, fresh(model))
+
+
+def test_parameter_data_swapped_in_place_is_picked_up() -> None:
+    """`p.data = t` keeps the Parameter object but moves its storage: the plan must follow."""
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1000)
+    for p in model.parameters():
+        p.data = torch.randn_like(p)
+    refit(model, engine, bucket_bytes=1000)
+    assert bit_equal(engine.weights, fresh(model))
+
+
+def test_replaced_module_and_reshaped_parameter_are_picked_up() -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1000)
+    donor = make_model(CFG, seed=5)
+    name, child = next(iter(model.named_children()))
+    setattr(model, name, copy.deepcopy(getattr(donor, name)))
+    refit(model, engine, bucket_bytes=1000)
+    assert bit_equal(engine.weights, fresh(model))
+    # a shape change through .data: the plan must not broadcast into the old layout
+    p = next(p for p in model.parameters() if p.dim() == 2)
+    p.data = torch.randn(p.shape[0] + 1, p.shape[1])
+    with pytest.raises(RefitError):
+        refit(model, engine, bucket_bytes=1000)
+    assert engine.weight_version == 2
+
+
+@pytest.mark.parametrize("sizes", [(1000, 1 << 20), (1 << 20, 16), (16, 1000)])
+def test_changed_bucket_size_is_picked_up(sizes: tuple[int, int]) -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=sizes[0])
+    train_step(model, seed=0)
+    report = refit(model, engine, bucket_bytes=sizes[1])
+    plan = current_plan(model)
+    assert plan is not None and plan.bucket_bytes == sizes[1]
+    assert report.num_buckets == len(plan.buckets)
+    assert bit_equal(engine.weights, fresh(model))
+
+
+def test_changed_manifest_is_picked_up() -> None:
+    """The same model refits a bf16 engine, then an fp32 one, then the bf16 one again."""
+    model = make_model(CFG, seed=0)
+    bf16 = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
+    fp32 = make_engine(make_model(CFG, seed=1), dtype=torch.float32)
+    for step, (engine, dtype) in enumerate([(bf16, torch.bfloat16), (fp32, torch.float32),
+                                             (bf16, torch.bfloat16)]):  # fmt: skip
+        train_step(model, seed=step)
+        refit(model, engine, bucket_bytes=1000)
+        assert bit_equal(engine.weights, fresh(model, dtype))
+
+
+def test_failed_refit_keeps_engine_and_a_later_replay_recovers() -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    refit(model, engine, bucket_bytes=1000)
+    before = engine.weights
+    with pytest.raises(RefitError):
+        refit(make_model(tiny_config(mtp_depth=1), seed=2), engine, bucket_bytes=1000)
+    assert engine.weights is before and engine.weight_version == 1
+    train_step(model, seed=0)
+    refit(model, engine, bucket_bytes=1000)
+    assert bit_equal(engine.weights, fresh(model))
+
+
+class CopyingTransport(InProcessTransport):
+    """A transport that copies each payload (like a broadcast): the sender reuses buffers."""
+
+    adopts_buckets = False
+
+    def send(self, bucket: Bucket) -> None:
+        assert not bucket.transferable
+        self.session.load_bucket(Bucket(bucket.index, bucket.buffer.clone(), bucket.entries, True))
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_replay_through_a_copying_transport(bucket_bytes: int) -> None:
+    model = make_model(CFG, seed=0)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
+    for step in range(3):
+        report = refit(model, None, bucket_bytes=bucket_bytes, transport=CopyingTransport(engine))
+        assert isinstance(report, RefitReport) and report.version == step + 1
+        assert bit_equal(engine.weights, fresh(model))
+        train_step(model, seed=step)
