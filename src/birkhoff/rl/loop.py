@@ -29,6 +29,7 @@ from birkhoff.engine import Engine, SamplingParams
 from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
+from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss, token_logprobs
@@ -134,22 +135,7 @@ class GRPORun:
         )
         adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
         batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
-        train_cfg = self.preset.train.replace(lr=rl.lr, warmup_steps=0, min_lr_ratio=1.0)
-        start, metrics = time.perf_counter(), {}
-        for _ in range(rl.updates_per_step):
-            check_staleness(
-                batch.weight_versions, self.engine_version_of_trainer(), rl.max_staleness
-            )
-            metrics = train_step(
-                self.model,
-                self.optimizer,
-                batch,
-                train_cfg,
-                step=self.step,
-                loss_fn=grpo_loss_fn(rl, self.reference),
-            )
-            self.trainer_version += 1
-        train_s = time.perf_counter() - start
+        metrics, train_s = self.update(batch)
         report = self.refit()
         return {
             "phase": "grpo",
@@ -164,11 +150,26 @@ class GRPORun:
             "weight_version": report.version,
         }
 
+    def update(self, batch: RLBatch) -> tuple[dict[str, float], float]:
+        """`updates_per_step` optimizer steps on one rollout batch; (last metrics, seconds)."""
+        rl = self.rl
+        train_cfg = self.preset.train.replace(lr=rl.lr, warmup_steps=0, min_lr_ratio=1.0)
+        loss_fn = grpo_loss_fn(rl, self.reference)
+        start, metrics = time.perf_counter(), {}
+        for _ in range(rl.updates_per_step):
+            version = self.engine_version_of_trainer()
+            check_staleness(batch.weight_versions, version, rl.max_staleness)
+            metrics = train_step(
+                self.model, self.optimizer, batch, train_cfg, step=self.step, loss_fn=loss_fn
+            )
+            self.trainer_version += 1
+        return metrics, time.perf_counter() - start
+
     def engine_version_of_trainer(self) -> int:
         """The version the trainer's weights would get at the next refit."""
         return self.engine.weight_version + self.trainer_version
 
-    def refit(self) -> Any:
+    def refit(self) -> RefitReport:
         report = refit(
             self.model,
             self.engine,
