@@ -60,6 +60,46 @@ def test_grpo_raises_reward_on_fixed_seed(tmp_path: Path) -> None:
     assert all(0.0 <= r["accept_1"] <= 1.0 for r in grpo) and any(r["accept_1"] > 0 for r in grpo)
 
 
+class FirstCharIsOne:
+    """A reward GRPO can always learn: does the completion start with '1'? (addition prompts)"""
+
+    name = "first-char"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def sample(self, rng):
+        return self.inner.sample(rng)
+
+    def reward(self, problem, completion: str) -> float:
+        return 1.0 if completion.startswith("1") else 0.0
+
+    def max_length(self) -> int:
+        return self.inner.max_length()
+
+
+def test_grpo_climbs_an_easy_reward(tmp_path: Path) -> None:
+    # The wiring check: sign of the advantage, ratio alignment, refit of the new weights into
+    # the engine. A flipped sign or stale engine leaves this reward flat or falling.
+    run = GRPORun(
+        small_preset(
+            warmup_steps=20,
+            num_steps=20,
+            num_prompts=8,
+            group_size=8,
+            lr=1e-3,
+            num_eval_prompts=0,
+            checkpoint_every=0,
+        ),
+        tmp_path,
+    )
+    run.task = FirstCharIsOne(run.task)
+    rewards = [r["reward"] for r in run.run(progress=False) if r["phase"] == "grpo"]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"easy reward {first:.3f} -> {last:.3f}")
+    assert last >= first + 0.2
+
+
 def test_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
     full = GRPORun(small_preset(), tmp_path / "full", device="cpu")
     full.run(progress=False)
