@@ -22,22 +22,21 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
+from birkhoff.refit.fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    quantize_fp8_blockwise,
+    scale_shape,
+)
 from birkhoff.refit.layout import engine_shapes, is_matmul_weight
 
 Quantize = Literal["fp8"] | None
-FP8_BLOCK = 128
-SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    rows, cols = shape
-    return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
 
 
 def build_manifest(
@@ -48,7 +47,7 @@ def build_manifest(
     for name, shape in engine_shapes(cfg).items():
         if quantize == "fp8" and is_matmul_weight(name):
             manifest[name] = TensorSpec(shape, FP8_DTYPE)
-            manifest[name + SCALE_SUFFIX] = TensorSpec(fp8_scale_shape(shape), torch.float32)
+            manifest[name + SCALE_SUFFIX] = TensorSpec(scale_shape(shape, FP8_BLOCK), torch.float32)
         else:
             manifest[name] = TensorSpec(shape, dtype)
     return manifest
@@ -71,8 +70,6 @@ def convert(
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {spec.shape}")
         if spec.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
-            from birkhoff.refit.fp8 import quantize_fp8_blockwise
-
             q, scale_inv = quantize_fp8_blockwise(tensor.to(device), block=FP8_BLOCK)
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv.to(torch.float32)

@@ -24,14 +24,13 @@ from torch import Tensor
 
 from birkhoff.config import ModelConfig
 from birkhoff.refit.bucket import MIN_BUCKET_BYTES, Bucket, BucketPacker
-from birkhoff.refit.fp8 import FP8_DTYPE, quantize_fp8_blockwise
+from birkhoff.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_fp8_blockwise
 from birkhoff.refit.layout import engine_sources, is_matmul_weight, trainer_tensors
 from birkhoff.refit.plan import RefitPlan, cached_plan, store_plan
 from birkhoff.refit.session import RefitReport, RefitTarget
 from birkhoff.refit.transport import InProcessTransport, Transport
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-SCALE_SUFFIX = "_scale_inv"
 
 
 def manifest_quantize(manifest: Mapping[str, Any]) -> str | None:

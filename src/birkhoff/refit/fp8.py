@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128  # one fp32 scale per FP8_BLOCK x FP8_BLOCK block of a weight
+SCALE_SUFFIX = "_scale_inv"  # a quantized weight `name` travels with `name + SCALE_SUFFIX`
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # smallest amax treated as non-zero: keeps amax / 448 a normal fp32 number
 _AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
