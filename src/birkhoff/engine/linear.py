@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.refit.fp8 import FP8_BLOCK, SCALE_SUFFIX
+from birkhoff.refit.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
@@ -19,7 +19,5 @@ def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
     w = weights[name]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is not None:
-        from birkhoff.refit.fp8 import dequantize_fp8_blockwise
-
         w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype)
     return F.linear(x, w)
