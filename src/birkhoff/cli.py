@@ -52,15 +52,20 @@ def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> 
 # ---------------------------------------------------------------------------- train
 
 
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by the jobs that train (`train`, `run`)."""
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_job_arguments(parser)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -145,7 +150,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
+    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-grpo")
     parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
@@ -157,10 +162,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop (with a checkpoint) after this global step; --resume later",
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_job_arguments(parser)
 
 
 def run_preset(args: argparse.Namespace) -> Any:
