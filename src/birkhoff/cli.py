@@ -14,7 +14,10 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported lazily at run time: `birkhoff --help` stays fast
+    from birkhoff.presets import Preset
 
 EXIT_USAGE = 2
 
@@ -165,7 +168,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
 
 
-def run_preset(args: argparse.Namespace) -> Any:
+def run_preset(args: argparse.Namespace) -> Preset:
     """The preset with the command line's overrides; ValueError for bad values."""
     from birkhoff.presets import get_preset
 
@@ -232,7 +235,10 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
                     f"{last[key]:.3f} (step {last['step']})"
                 )
     if grpo:
-        mean = lambda key: sum(r.get(key, 0.0) for r in grpo) / len(grpo)  # noqa: E731
+
+        def mean(key: str) -> float:
+            return sum(r.get(key, 0.0) for r in grpo) / len(grpo)
+
         lines.append(
             f"GRPO steps {len(grpo)}: MTP acceptance (draft 1) {mean('accept_1'):.3f}, "
             f"generate {mean('generate_s'):.3f}s, train {mean('train_s'):.3f}s, "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from birkhoff.engine import Engine, SamplingParams
+from birkhoff.engine import Engine
 from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
@@ -34,8 +34,8 @@ from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss, token_logprobs
 from birkhoff.rl.metrics import MetricsLog, memory_metrics
-from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, generate_batched, rollout
-from birkhoff.rl.tasks import Task, get_task, prompt_ids, sample_problems
+from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
+from birkhoff.rl.tasks import Task, get_task, sample_problems
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
 from birkhoff.train.data import batch_for_step, step_rng
@@ -186,25 +186,16 @@ class GRPORun:
         rollouts, `group_size` seeded samples per problem) is what GRPO optimises and is far less
         noisy on a small eval set. Both are drafted by MTP; acceptance is logged for greedy.
         """
-        rl, eos = self.rl, self.tokenizer.eos_id
         if not self.eval_problems:
             return {}
-        greedy = SamplingParams(
-            rl.max_new_tokens,
-            stop_token_ids=(eos,),
-            seed=0,
-            num_speculative_tokens=rl.num_speculative_tokens,
-        )
-        prompts = [prompt_ids(p, self.tokenizer) for p in self.eval_problems]
-        completions, accepted_at, steps = generate_batched(self.engine, prompts, greedy)
-        texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        rewards = [self.task.reward(p, t) for p, t in zip(self.eval_problems, texts, strict=True)]
-        sampled = rollout(self.engine, self.eval_problems, self.task, self.tokenizer, rl, seed=0)
+        args = (self.engine, self.eval_problems, self.task, self.tokenizer, self.rl)
+        greedy = rollout(*args, seed=0, greedy=True)
+        sampled = rollout(*args, seed=0)
         out = {
-            "eval_reward": sum(rewards) / len(rewards),
+            "eval_reward": float(greedy.rewards_NG.mean()),
             "eval_sampled_reward": float(sampled.rewards_NG.mean()),
         }
-        out.update({f"eval_accept_{j + 1}": n / max(steps, 1) for j, n in enumerate(accepted_at)})
+        out.update({f"eval_accept_{j + 1}": a for j, a in enumerate(greedy.acceptance)})
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -214,7 +205,7 @@ class GRPORun:
         save_checkpoint(
             self.out / CHECKPOINT_DIR,
             self.model,
-            self.optimizer,  # type: ignore[arg-type]
+            self.optimizer,
             step=self.step,
             extra=extra,
         )
@@ -229,7 +220,7 @@ class GRPORun:
         """Restore model, optimizer and step from the run's checkpoint; truncate the metrics."""
         loaded = load_checkpoint(
             self.out / CHECKPOINT_DIR,
-            model=self.model,  # type: ignore[arg-type]
+            model=self.model,
             optimizer=self.optimizer,
             restore_rng=True,
         )

@@ -87,14 +87,20 @@ def rollout(
     cfg: RLConfig,
     *,
     seed: int,
+    greedy: bool = False,
 ) -> Rollout:
-    """G seeded samples per problem, scored by the task's verifiable reward."""
+    """Seeded completions scored by the task's verifiable reward.
+
+    Default: G samples per problem at the rollout temperature (a GRPO batch, rewards [N,G]).
+    `greedy=True`: one argmax completion per problem (evaluation, rewards [N,1]).
+    """
     start = time.perf_counter()
-    grouped = [p for p in problems for _ in range(cfg.group_size)]
+    per_problem = 1 if greedy else cfg.group_size
+    grouped = [p for p in problems for _ in range(per_problem)]
     prompts = [prompt_ids(p, tokenizer) for p in grouped]
     params = SamplingParams(
         cfg.max_new_tokens,
-        temperature=cfg.temperature,
+        temperature=0.0 if greedy else cfg.temperature,
         stop_token_ids=(tokenizer.eos_id,),
         seed=seed,
         num_speculative_tokens=cfg.num_speculative_tokens,
@@ -104,7 +110,7 @@ def rollout(
         task.reward(p, tokenizer.decode(c.tokens))
         for p, c in zip(grouped, completions, strict=True)
     ]
-    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), cfg.group_size)
+    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
     seconds = time.perf_counter() - start
     return Rollout(list(grouped), prompts, completions, rewards_NG, accepted_at, num_steps, seconds)
 
