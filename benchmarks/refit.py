@@ -45,13 +45,13 @@ def sync(device: str) -> None:
 
 
 def timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
-    """Median wall seconds of `fn` after two warm-up calls, device work included.
+    """Median wall seconds of `fn` after three warm-up calls, device work included.
 
-    Two, because a refit's buffers become the served weights: the allocator reaches its steady
-    state (the buffers of update n-2 are recycled for update n) from the third call on.
+    Three, because a refit reaches its steady state on the fourth call: the first records the
+    refit plan, the next two make its two banks of bucket buffers (then reused in turn).
     """
-    fn()
-    fn()
+    for _ in range(3):
+        fn()
     times = []
     for _ in range(repeats):
         sync(device)

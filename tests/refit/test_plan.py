@@ -74,6 +74,53 @@ def test_committed_weights_are_never_overwritten_by_a_later_refit() -> None:
     assert not set.intersection(*storages)
 
 
+def data_ptrs(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in weights.items()}
+
+
+def test_steady_state_replays_alternate_two_banks() -> None:
+    """Nobody keeps old versions: refit n+2 writes where refit n wrote, no new buffers."""
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    # several buckets, no tensor split (a split tensor is reassembled into new staging memory)
+    bucket_bytes = max(t.numel() * t.itemsize for t in engine.weights.values())
+    refit(model, engine, bucket_bytes=bucket_bytes)
+    plan = current_plan(model)
+    assert plan is not None
+    where = []
+    for step in range(5):
+        train_step(model, seed=step)
+        assert refit(model, engine, bucket_bytes=bucket_bytes).num_buckets > 1
+        where.append(data_ptrs(engine.weights))
+        assert bit_equal(engine.weights, fresh(model))
+    assert current_plan(model) is plan and plan.banks_made == 2
+    assert where[0] == where[2] == where[4] and where[1] == where[3]
+    assert not set(where[0].values()) & set(where[1].values())
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "slice_of_bytes"])
+def test_a_kept_tensor_or_view_of_an_old_version_is_never_overwritten(keep: str) -> None:
+    """One kept tensor object, or any tensor on its memory, makes its bank off-limits."""
+    model = make_model(CFG, seed=0)
+    engine = make_engine(model, dtype=torch.bfloat16)
+    for _ in range(3):  # planless, then both banks: the kept version is served from a bank
+        refit(model, engine, bucket_bytes=1 << 20)
+    name = next(n for n, t in engine.weights.items() if t.dim() == 2)
+    weight = engine.weights[name]
+    kept = {
+        "tensor": weight,
+        "view": weight.t()[1:],
+        "slice_of_bytes": weight.reshape(-1).view(torch.uint8)[:64],
+    }[keep]
+    del weight
+    snapshot = kept.clone()
+    for step in range(4):
+        train_step(model, seed=step)
+        refit(model, engine, bucket_bytes=1 << 20)
+        assert torch.equal(kept, snapshot), f"kept {keep} overwritten by refit {step + 2}"
+    assert bit_equal(engine.weights, fresh(model))
+
+
 def test_generate_between_refits_sees_each_version() -> None:
     model = make_model(CFG, seed=0)
     engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)

@@ -8,7 +8,9 @@ from refit_helpers import make_model, tiny_config
 
 from birkhoff.engine import Engine
 from birkhoff.refit import refit
+from birkhoff.engine.sampling import SamplingParams
 from birkhoff.refit.fp8 import quantize_fp8_blockwise
+from birkhoff.refit.plan import current_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,3 +43,24 @@ def test_cuda_refit_equals_direct_load(quantize: str | None, bucket_bytes: int) 
         got = engine.weights[name]
         assert got.is_cuda and got.dtype == t.dtype, name
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_cuda_replays_reuse_two_banks_and_stay_exact() -> None:
+    """Replays write the bank a generation read two versions ago: one stream orders them."""
+    cfg = tiny_config(dim=256, num_heads=4, vocab_size=1000)
+    model = make_model(cfg, seed=0).cuda()
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=2)
+    engine = Engine.from_model(make_model(cfg, seed=1).cuda(), **kw)
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8)
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+        refit(model, engine, bucket_bytes=1 << 16)
+        direct = Engine.from_model(model, **kw)
+        for name, t in direct.weights.items():
+            assert torch.equal(engine.weights[name].view(torch.uint8), t.view(torch.uint8)), name
+        got = [c.tokens for c in engine.generate(prompts, params)]
+        assert got == [c.tokens for c in direct.generate(prompts, params)], step
+    plan = current_plan(model)
+    assert plan is not None and plan.banks_made == 2
