@@ -7,8 +7,8 @@ import torch
 from refit_helpers import make_model, tiny_config
 
 from birkhoff.engine import Engine
-from birkhoff.refit import refit
 from birkhoff.engine.sampling import SamplingParams
+from birkhoff.refit import refit
 from birkhoff.refit.fp8 import quantize_fp8_blockwise
 from birkhoff.refit.plan import current_plan
 

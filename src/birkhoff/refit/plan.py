@@ -136,7 +136,9 @@ class _Bank:
 
     def __init__(self, buckets: list[_PlannedBucket], buffers: list[Tensor], served: bool) -> None:
         unflatten = torch._C._nn.unflatten_dense_tensors
-        self.buffers = [buffer[: planned.nbytes] for planned, buffer in zip(buckets, buffers)]
+        self.buffers = [
+            buffer[: planned.nbytes] for planned, buffer in zip(buckets, buffers, strict=True)
+        ]
         self.dst: list[list[Tensor]] = []
         self.views: list[list[Tensor | None] | None] = []
         for planned, buffer in zip(buckets, buffers, strict=True):
