@@ -113,3 +113,19 @@ def test_bad_input_is_rejected() -> None:
     q, scale_inv = quantize_fp8_blockwise(torch.randn(200, 100))
     with pytest.raises(ValueError, match="scale_inv shape"):
         dequantize_fp8_blockwise(q, scale_inv[:1])
+
+
+def test_out_receives_the_same_bits_and_bad_out_is_rejected() -> None:
+    w = torch.randn(200, 300)
+    q, scale_inv = quantize_fp8_blockwise(w)
+    buffer = torch.zeros(200 * 300 + 4 * 2 * 3, dtype=torch.uint8)  # codes, then scales
+    out = (buffer[: 200 * 300].view(FP8_DTYPE).view(200, 300),
+           buffer[200 * 300 :].view(torch.float32).view(2, 3))  # fmt: skip
+    got = quantize_fp8_blockwise(w, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(out[1], scale_inv)
+    with pytest.raises(ValueError, match=r"out scale_inv: expected contiguous .*\[2, 3\]"):
+        quantize_fp8_blockwise(w, out=(out[0], torch.empty(3, 2)))
+    with pytest.raises(ValueError, match="out q: .*contiguous=False"):
+        quantize_fp8_blockwise(w, out=(torch.empty(300, 200, dtype=FP8_DTYPE).t(), out[1]))

@@ -27,8 +27,10 @@ def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def fresh(model: Transformer, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    return make_engine(model, dtype=dtype).weights
+def fresh(
+    model: Transformer, dtype: torch.dtype = torch.bfloat16, quantize: str | None = None
+) -> dict[str, torch.Tensor]:
+    return make_engine(model, dtype=dtype, quantize=quantize).weights
 
 
 def train_step(model: Transformer, seed: int) -> None:
@@ -43,20 +45,30 @@ def train_step(model: Transformer, seed: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("quantize", [None, "fp8"])
 @pytest.mark.parametrize("bucket_bytes", BUCKETS)
-def test_replayed_refit_after_train_steps_equals_fresh_engine(bucket_bytes: int) -> None:
+def test_replayed_refit_after_train_steps_equals_fresh_engine(
+    bucket_bytes: int, quantize: str | None
+) -> None:
     model = make_model(CFG, seed=0)
-    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
-    refit(model, engine, bucket_bytes=bucket_bytes)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16, quantize=quantize)
+    refit(model, engine, bucket_bytes=bucket_bytes, quantize=quantize)
     plan = current_plan(model)
-    assert plan is not None and bit_equal(engine.weights, fresh(model))
+    assert plan is not None and bit_equal(engine.weights, fresh(model, quantize=quantize))
+    num_fp8 = sum(spec.dtype == torch.float8_e4m3fn for spec in engine.manifest().values())
+    assert len(plan.recipes) == num_fp8 and (num_fp8 > 0) == (quantize == "fp8")
+    direct = sum(len(b.quantize_now) for b in plan.buckets)  # quantized straight into buckets
+    if bucket_bytes == 1 << 20:  # one bucket: every code and scale tensor lands whole
+        assert direct == num_fp8
+    if bucket_bytes == 16:  # every one is split: quantized into a temporary, then copied
+        assert direct == 0
     for step in range(3):
         train_step(model, seed=step)
-        assert not bit_equal(engine.weights, fresh(model))
-        report = refit(model, engine, bucket_bytes=bucket_bytes)
+        assert not bit_equal(engine.weights, fresh(model, quantize=quantize))
+        report = refit(model, engine, bucket_bytes=bucket_bytes, quantize=quantize)
         assert current_plan(model) is plan  # replayed, not re-recorded
         assert report.version == engine.weight_version == step + 2
-        assert bit_equal(engine.weights, fresh(model))
+        assert bit_equal(engine.weights, fresh(model, quantize=quantize))
 
 
 def test_committed_weights_are_never_overwritten_by_a_later_refit() -> None:
@@ -148,15 +160,16 @@ def test_replaced_parameter_object_is_picked_up() -> None:
     assert bit_equal(engine.weights, fresh(model))
 
 
-def test_parameter_data_swapped_in_place_is_picked_up() -> None:
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_parameter_data_swapped_in_place_is_picked_up(quantize: str | None) -> None:
     """`p.data = t` keeps the Parameter object but moves its storage: the plan must follow."""
     model = make_model(CFG, seed=0)
-    engine = make_engine(model, dtype=torch.bfloat16)
-    refit(model, engine, bucket_bytes=1000)
+    engine = make_engine(model, dtype=torch.bfloat16, quantize=quantize)
+    refit(model, engine, bucket_bytes=1000, quantize=quantize)
     for p in model.parameters():
         p.data = torch.randn_like(p)
-    refit(model, engine, bucket_bytes=1000)
-    assert bit_equal(engine.weights, fresh(model))
+    refit(model, engine, bucket_bytes=1000, quantize=quantize)
+    assert bit_equal(engine.weights, fresh(model, quantize=quantize))
 
 
 def test_replaced_module_and_reshaped_parameter_are_picked_up() -> None:
@@ -224,12 +237,15 @@ class CopyingTransport(InProcessTransport):
         self.session.load_bucket(Bucket(bucket.index, bucket.buffer.clone(), bucket.entries, True))
 
 
+@pytest.mark.parametrize("quantize", [None, "fp8"])
 @pytest.mark.parametrize("bucket_bytes", BUCKETS)
-def test_replay_through_a_copying_transport(bucket_bytes: int) -> None:
+def test_replay_through_a_copying_transport(bucket_bytes: int, quantize: str | None) -> None:
     model = make_model(CFG, seed=0)
-    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16, quantize=quantize)
     for step in range(3):
-        report = refit(model, None, bucket_bytes=bucket_bytes, transport=CopyingTransport(engine))
+        transport = CopyingTransport(engine)
+        report = refit(model, None, bucket_bytes=bucket_bytes, quantize=quantize,
+                       transport=transport)  # fmt: skip
         assert isinstance(report, RefitReport) and report.version == step + 1
-        assert bit_equal(engine.weights, fresh(model))
+        assert bit_equal(engine.weights, fresh(model, quantize=quantize))
         train_step(model, seed=step)

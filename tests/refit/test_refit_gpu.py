@@ -8,8 +8,8 @@ from refit_helpers import make_model, tiny_config
 
 from birkhoff.engine import Engine
 from birkhoff.engine.sampling import SamplingParams
-from birkhoff.refit import refit
-from birkhoff.refit.fp8 import quantize_fp8_blockwise
+from birkhoff.refit import fp8_kernel, refit
+from birkhoff.refit.fp8 import quantize_fp8_blockwise, quantize_fp8_blockwise_eager
 from birkhoff.refit.plan import current_plan
 
 pytestmark = [
@@ -18,14 +18,50 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_quantize_matches_cpu_bits(dtype: torch.dtype) -> None:
-    w = (torch.randn(300, 520, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
-    q_cpu, s_cpu = quantize_fp8_blockwise(w)
-    q_gpu, s_gpu = quantize_fp8_blockwise(w.cuda())
-    assert q_gpu.is_cuda and s_gpu.is_cuda
-    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
-    assert torch.equal(s_gpu.cpu(), s_cpu)
+def special_weight(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random weights with an all-zero block, a huge block, a tiny (subnormal-coded) block."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)) * 0.02
+    if rows >= 256 and cols >= 256:
+        w[:128, :128] = 0
+        w[128:256, :128] *= 1e4
+        w[:128, 128:256] *= 1e-30
+    return w.to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.itemsize == 1 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(300, 520), (6144, 2048), (2048, 5464), (10928, 256), (1, 7)])
+@pytest.mark.parametrize("impl", ["dispatch", "eager"])
+def test_gpu_quantize_matches_cpu_bits(
+    dtype: torch.dtype, shape: tuple[int, int], impl: str
+) -> None:
+    """CUDA codes and scales equal the CPU reference bit for bit (fused kernel and eager)."""
+    w = special_weight(*shape, dtype)
+    q_cpu, s_cpu = quantize_fp8_blockwise_eager(w)
+    quantize = quantize_fp8_blockwise if impl == "dispatch" else quantize_fp8_blockwise_eager
+    q_gpu, s_gpu = quantize(w.cuda())
+    assert q_gpu.is_cuda and s_gpu.is_cuda and q_gpu.shape == w.shape
+    assert torch.equal(bits(q_gpu.cpu()), bits(q_cpu))
+    assert torch.equal(bits(s_gpu.cpu()), bits(s_cpu))
+
+
+def test_fused_kernel_is_used_and_handles_non_finite_blocks() -> None:
+    pytest.importorskip("triton")
+    w = special_weight(256, 384, torch.float32).cuda()
+    assert fp8_kernel.supported(w, 128)
+    w[0, 200] = float("nan")  # block (0, 1)
+    w[200, 300] = float("inf")  # block (1, 2)
+    q, s = quantize_fp8_blockwise(w)
+    q_ref, s_ref = quantize_fp8_blockwise_eager(w.cpu())
+    assert torch.isnan(s[0, 1]) and torch.isnan(s_ref[0, 1])
+    assert torch.isinf(s[1, 2]) and torch.isinf(s_ref[1, 2])
+    finite = torch.isfinite(s_ref)
+    assert torch.equal(bits(s.cpu())[finite], bits(s_ref)[finite])
+    assert torch.equal(q.float().cpu().isnan(), q_ref.float().isnan())
+    assert torch.equal(bits(q.cpu())[:128, :128], bits(q_ref)[:128, :128])
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8"])
@@ -45,18 +81,22 @@ def test_cuda_refit_equals_direct_load(quantize: str | None, bucket_bytes: int) 
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
 
 
-def test_cuda_replays_reuse_two_banks_and_stay_exact() -> None:
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+@pytest.mark.parametrize("bucket_bytes", [1 << 16, 1 << 26])
+def test_cuda_replays_reuse_two_banks_and_stay_exact(
+    quantize: str | None, bucket_bytes: int
+) -> None:
     """Replays write the bank a generation read two versions ago: one stream orders them."""
     cfg = tiny_config(dim=256, num_heads=4, vocab_size=1000)
     model = make_model(cfg, seed=0).cuda()
-    kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=2)
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=2, quantize=quantize)
     engine = Engine.from_model(make_model(cfg, seed=1).cuda(), **kw)
     prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8)
     for step in range(5):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p), alpha=0.01)
-        refit(model, engine, bucket_bytes=1 << 16)
+        refit(model, engine, bucket_bytes=bucket_bytes, quantize=quantize)
         direct = Engine.from_model(model, **kw)
         for name, t in direct.weights.items():
             assert torch.equal(engine.weights[name].view(torch.uint8), t.view(torch.uint8)), name

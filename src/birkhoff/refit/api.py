@@ -9,6 +9,8 @@ projections (q/k/v, gate/up) are packed part by part, so the engine state is nev
 the sender; only fp8 matmul weights are concatenated first, because their 128x128 scale blocks
 straddle the part boundaries. The engine's manifest decides each tensor's dtype: a matmul weight
 served as fp8 is quantized on the sender's device and followed by its `<name>_scale_inv`.
+A successful refit records a `RefitPlan` (refit/plan.py) that later refits replay: the copies
+(and the quantizations) without the traversal, and into reusable buffers.
 
 Everything after `begin` runs under one try: any exception aborts the session, so the engine never
 commits a partial update.
@@ -24,9 +26,9 @@ from torch import Tensor
 
 from birkhoff.config import ModelConfig
 from birkhoff.refit.bucket import MIN_BUCKET_BYTES, Bucket, BucketPacker
-from birkhoff.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_fp8_blockwise
+from birkhoff.refit.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.refit.layout import engine_sources, is_matmul_weight, trainer_tensors
-from birkhoff.refit.plan import RefitPlan, cached_plan, store_plan
+from birkhoff.refit.plan import QuantizedSources, RefitPlan, cached_plan, store_plan
 from birkhoff.refit.session import RefitReport, RefitTarget
 from birkhoff.refit.transport import InProcessTransport, Transport
 
@@ -40,7 +42,11 @@ def manifest_quantize(manifest: Mapping[str, Any]) -> str | None:
 
 
 def pack_engine_tensor(
-    packer: BucketPacker, name: str, parts: list[Tensor], manifest: Mapping[str, Any]
+    packer: BucketPacker,
+    name: str,
+    parts: list[Tensor],
+    manifest: Mapping[str, Any],
+    quantized: QuantizedSources,
 ) -> Iterator[Bucket]:
     """Buckets filled while packing one engine tensor in the manifest's dtype (fp8 + scale)."""
     spec = manifest.get(name)
@@ -50,11 +56,10 @@ def pack_engine_tensor(
     if spec.dtype != FP8_DTYPE:
         yield from packer.add(name, parts, spec.dtype)
         return
-    parts = [p.to(packer.device, non_blocking=True) for p in parts]
-    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    q, scale_inv = quantize_fp8_blockwise(weight)
-    yield from packer.add(name, [q], FP8_DTYPE)
-    yield from packer.add(name + SCALE_SUFFIX, [scale_inv], torch.float32)
+    q, scale_inv = quantize_parts(parts, packer.device)
+    q_as, scale_as = quantized.note(parts, q, scale_inv)
+    yield from packer.add(name, [q], FP8_DTYPE, record_as=[q_as])
+    yield from packer.add(name + SCALE_SUFFIX, [scale_inv], torch.float32, record_as=[scale_as])
 
 
 def refit(
@@ -98,13 +103,14 @@ def refit(
                 for bucket in plan.buckets_now():
                     transport.send(bucket)
             else:
-                packer = stream_buckets(model, cfg, transport, manifest, bucket_bytes, quantize)
+                quantized = QuantizedSources()
+                packer = stream_buckets(model, cfg, transport, manifest, bucket_bytes, quantized)
         report = transport.finish(check_finite=check_finite)
     except BaseException:
         transport.abort()  # idempotent: a no-op once finish() has ended the session
         raise
-    if plan is None and quantize is None:  # a layout that just committed: replay it next time
-        store_plan(model, RefitPlan(model, packer, manifest, adopts=adopts))
+    if plan is None:  # a layout that just committed: replay it next time
+        store_plan(model, RefitPlan(model, packer, manifest, quantized, adopts=adopts))
     return report
 
 
@@ -114,16 +120,16 @@ def stream_buckets(
     transport: Transport,
     manifest: Mapping[str, Any],
     bucket_bytes: int,
-    quantize: str | None,
+    quantized: QuantizedSources,
 ) -> BucketPacker:
     """The planless refit: traverse, group, pack and send; returns the (recording) packer."""
     num_buffers = None if transport.adopts_buckets else 2
     packer = BucketPacker(
-        bucket_bytes, device=transport.device, num_buffers=num_buffers, record=quantize is None
+        bucket_bytes, device=transport.device, num_buffers=num_buffers, record=True
     )
     # Parameters themselves (not detached views) so that a recorded plan reads current values
-    for name, parts in engine_sources(trainer_tensors(model, cfg, detach=quantize is not None)):
-        for bucket in pack_engine_tensor(packer, name, parts, manifest):
+    for name, parts in engine_sources(trainer_tensors(model, cfg, detach=False)):
+        for bucket in pack_engine_tensor(packer, name, parts, manifest, quantized):
             transport.send(bucket)
     for bucket in packer.flush():
         transport.send(bucket)

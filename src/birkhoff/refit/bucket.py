@@ -91,13 +91,14 @@ def typed_views(buffer: Tensor, spans: Sequence[tuple[int, int, torch.dtype]]) -
     return list(buffer.view(next(iter(dtypes))).split(sizes)[1::2])
 
 
-class _Copy(NamedTuple):
+class Placed(NamedTuple):
+    """Where one part (or a run of its elements) lands in a bucket; what a plan records."""
+
     offset: int  # byte offset in the bucket
     nbytes: int
     dtype: torch.dtype
-    src: Tensor  # flat source elements (any dtype, any device)
-    part: Tensor  # the part `src` was taken from, as handed to `add`
-    start: int  # element offset of `src` in the flattened part
+    part: Tensor  # the part as handed to `add` (or the stand-in given as `record_as`)
+    start: int  # element offset of the run in the flattened part
 
 
 class BucketPacker:
@@ -130,9 +131,10 @@ class BucketPacker:
         self._index = 0
         self._pos = 0  # aligned offset where the next tensor starts
         self._entries: list[BucketEntry] = []
-        self._copies: list[_Copy] = []
-        # with record=True: (entries, copies, bytes used) of every closed bucket, for a RefitPlan
-        self.closed: list[tuple[list[BucketEntry], list[_Copy], int]] | None = (
+        self._placed: list[Placed] = []  # the pending copies of the open bucket ...
+        self._srcs: list[Tensor] = []  # ... and their flat sources (any dtype, any device)
+        # with record=True: (entries, placements, bytes used) of every closed bucket, for a plan
+        self.closed: list[tuple[list[BucketEntry], list[Placed], int]] | None = (
             [] if record else None
         )
 
@@ -146,22 +148,35 @@ class BucketPacker:
         return self._pool[slot][:nbytes]
 
     def _close(self) -> Bucket:
-        used = max((c.offset + c.nbytes for c in self._copies), default=0)
+        used = max((c.offset + c.nbytes for c in self._placed), default=0)
         buffer = self._buffer(used)
-        if self._copies:
-            spans = [(c.offset, c.nbytes, c.dtype) for c in self._copies]
+        if self._placed:
+            spans = [(c.offset, c.nbytes, c.dtype) for c in self._placed]
             dst = typed_views(buffer, spans)
-            torch._foreach_copy_(dst, [c.src for c in self._copies], non_blocking=True)
+            torch._foreach_copy_(dst, self._srcs, non_blocking=True)
         bucket = Bucket(self._index, buffer, self._entries, self.num_buffers is None)
         if self.closed is not None:
-            self.closed.append((self._entries, self._copies, used))
+            self.closed.append((self._entries, self._placed, used))
         self._index += 1
-        self._pos, self._entries, self._copies = 0, [], []
+        self._pos, self._entries, self._placed, self._srcs = 0, [], [], []
         return bucket
 
-    def add(self, name: str, parts: Sequence[Tensor], dtype: torch.dtype) -> Iterator[Bucket]:
-        """Pack the dim-0 concatenation of `parts`, cast to `dtype`; yield buckets that fill up."""
+    def add(
+        self,
+        name: str,
+        parts: Sequence[Tensor],
+        dtype: torch.dtype,
+        *,
+        record_as: Sequence[Tensor] | None = None,
+    ) -> Iterator[Bucket]:
+        """Pack the dim-0 concatenation of `parts`, cast to `dtype`; yield buckets that fill up.
+
+        `record_as`: per part, the tensor a recording packer notes in its place (e.g. a meta
+        stand-in for a temporary that a plan recomputes), so the record never keeps it alive.
+        """
         assert parts, f"{name}: no parts"
+        assert record_as is None or len(record_as) == len(parts), f"{name}: record_as length"
+        recorded = parts if record_as is None else record_as
         itemsize = dtype.itemsize
         if len(parts) == 1:
             shape, total = tuple(parts[0].shape), parts[0].numel() * itemsize
@@ -171,9 +186,10 @@ class BucketPacker:
         if 0 < total <= self.bucket_bytes - self._pos:  # common case: one piece, no split
             offset = self._pos
             self._entries.append(BucketEntry(name, dtype, shape, offset, total, 0, total))
-            for part in parts:
+            for part, noted in zip(parts, recorded, strict=True):
                 nbytes = part.numel() * itemsize
-                self._copies.append(_Copy(offset, nbytes, dtype, part.reshape(-1), part, 0))
+                self._placed.append(Placed(offset, nbytes, dtype, noted, 0))
+                self._srcs.append(part.reshape(-1))
                 offset += nbytes
             self._pos = min(_align(offset), self.bucket_bytes)
             return
@@ -185,7 +201,7 @@ class BucketPacker:
             yield self._close()
         offset, first = self._pos, 0  # where this bucket's piece starts: in bucket, in tensor
         done = 0  # bytes of this tensor planned so far; parts are contiguous within the tensor
-        for part in parts:
+        for part, noted in zip(parts, recorded, strict=True):
             flat, start = part.reshape(-1), 0
             while start < flat.numel():
                 pos = offset + done - first
@@ -196,9 +212,8 @@ class BucketPacker:
                     yield self._close()
                     offset, first = 0, done
                     continue
-                self._copies.append(
-                    _Copy(pos, count * itemsize, dtype, flat[start : start + count], part, start)
-                )
+                self._placed.append(Placed(pos, count * itemsize, dtype, noted, start))
+                self._srcs.append(flat[start : start + count])
                 start, done = start + count, done + count * itemsize
         self._entries.append(BucketEntry(name, dtype, shape, offset, done - first, first, total))
         self._pos = min(_align(offset + done - first), self.bucket_bytes)

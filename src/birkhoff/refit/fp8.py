@@ -14,8 +14,10 @@ hence per block max|w - dequant(q)| <= amax_block / 16 * (1 + 2^-6 / 448 ...) ~ 
 Idempotence: quantizing a dequantized tensor again gives the same codes, because the block max
 maps back to +-448 and every other element is within fp32 rounding of an e4m3 grid point.
 
-Design choices: everything is vectorised over blocks (pad to a multiple of the block, view as
-[R, block, C, block], reduce), so on GPU it is a handful of kernels with no host sync. Partial edge
+Design choices: on CUDA with Triton, one fused kernel (`fp8_kernel.py`: one read of the weight,
+one write of the codes) that reproduces the eager reference bit for bit; elsewhere the eager
+reference, vectorised over blocks (pad to a multiple of the block, view as [R, block, C, block],
+reduce): a handful of kernels with no host sync. Partial edge
 blocks are zero-padded, which leaves amax unchanged. An all-zero block gets the smallest scale that
 keeps the division finite; its codes are 0 either way. Left out: per-tensor or per-row scaling,
 e5m2, stochastic rounding, activation quantization.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from birkhoff.refit import fp8_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128  # one fp32 scale per FP8_BLOCK x FP8_BLOCK block of a weight
@@ -58,8 +62,42 @@ def _as_blocks(x_rc: Tensor, block: int) -> Tensor:
     return x_rc.reshape(num_r, block, num_c, block)
 
 
-def quantize_fp8_blockwise(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
-    """(q float8_e4m3fn [r, c], scale_inv float32 [ceil(r/block), ceil(c/block)]) of a 2-D `w`."""
+def quantize_fp8_blockwise(
+    w: Tensor, block: int = 128, *, out: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(q float8_e4m3fn [r, c], scale_inv float32 [ceil(r/block), ceil(c/block)]) of a 2-D `w`.
+
+    The fused CUDA kernel where it applies, else the eager reference; the same bits either way.
+    `out`: contiguous (q, scale_inv) tensors on w's device to write into (and return).
+    """
+    _check_2d(w, block, "w")
+    if out is not None:
+        _check_out(w, block, out)
+    if fp8_kernel.supported(w, block):
+        return fp8_kernel.quantize_fp8_blockwise_triton(
+            w, block, amax_floor=_AMAX_FLOOR, inv_max=1.0 / FP8_MAX, out=out
+        )
+    q, scale_inv = quantize_fp8_blockwise_eager(w, block)
+    if out is None:
+        return q, scale_inv
+    out[0].copy_(q)
+    out[1].copy_(scale_inv)
+    return out
+
+
+def _check_out(w: Tensor, block: int, out: tuple[Tensor, Tensor]) -> None:
+    q, scale_inv = out
+    want = ((tuple(w.shape), FP8_DTYPE), (scale_shape(w.shape, block), torch.float32))
+    for what, t, (shape, dtype) in zip(("q", "scale_inv"), out, want, strict=True):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            got = f"{t.dtype}{list(t.shape)}, contiguous={t.is_contiguous()}"
+            raise ValueError(f"out {what}: expected contiguous {dtype}{list(shape)}, got {got}")
+        if t.device != w.device:
+            raise ValueError(f"out {what} is on {t.device}, w on {w.device}")
+
+
+def quantize_fp8_blockwise_eager(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+    """The reference implementation of `quantize_fp8_blockwise` (any device, plain torch ops)."""
     _check_2d(w, block, "w")
     rows, cols = w.shape
     w_blocks = _as_blocks(w.float(), block)  # [R, b, C, b]
@@ -75,6 +113,18 @@ def quantize_fp8_blockwise(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]
     if not q.is_contiguous():
         q = q.contiguous()
     return q, scale_inv_RC
+
+
+def quantize_parts(
+    parts: list[Tensor], device: torch.device, *, out: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """Quantize the dim-0 concatenation of `parts` (fused q/k/v or gate/up) on `device`.
+
+    The parts are concatenated first: a 128x128 block may straddle their boundary.
+    """
+    parts = [p.to(device, non_blocking=True) for p in parts]
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return quantize_fp8_blockwise(weight, out=out)
 
 
 def dequantize_fp8_blockwise(

@@ -28,8 +28,11 @@ serves bank A, nobody keeps the previous version) refit n+1 writes bank B, refit
 no allocation and no Python-level view op per tensor. Reuse relies on one stream: the copies
 of a refit are ordered after the kernels that last read the bank. For a transport that copies the
 payload (broadcast), one bank of two cycled buffers, like `BucketPacker`.
-Left out: fp8 refits (quantization dominates; they keep the streaming path), and detecting a
-persistent buffer re-registered as non-persistent under the same object.
+fp8: a quantized weight is recorded as a recipe (its trainer Parameters) plus meta stand-ins
+for its codes and scales (`QuantizedSources`); a replay quantizes each recipe from current
+values, straight into the bank's views when both outputs land whole in buckets, else into a
+temporary that the bucket copies slice.
+Left out: detecting a persistent buffer re-registered as non-persistent under the same object.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.refit.bucket import Bucket, BucketEntry, BucketPacker, _align, _Copy
+from birkhoff.refit.bucket import Bucket, BucketEntry, BucketPacker, Placed, _align
+from birkhoff.refit.fp8 import quantize_parts
 
 _PLANS: weakref.WeakKeyDictionary[torch.nn.Module, RefitPlan] = weakref.WeakKeyDictionary()
 
@@ -73,6 +77,27 @@ def _templates(
     return templates, where
 
 
+class QuantizedSources:
+    """The fp8 weights of a recording refit: their trainer parts, and meta stand-ins for codes.
+
+    The packer records a stand-in (no memory) in place of each temporary code/scale tensor, and
+    the plan turns it back into "output `o` of recipe `k`", recomputed from the parts on replay.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[list[Tensor]] = []
+        self.stand_ins: dict[int, tuple[int, int]] = {}  # id(stand-in) -> (recipe, output)
+
+    def note(self, parts: list[Tensor], q: Tensor, scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+        """Register one quantized weight; returns the stand-ins for its codes and scales."""
+        recipe = len(self.parts)
+        self.parts.append(list(parts))
+        stand_ins = (torch.empty_like(q, device="meta"), torch.empty_like(scale_inv, device="meta"))
+        for output, stand_in in enumerate(stand_ins):
+            self.stand_ins[id(stand_in)] = (recipe, output)
+        return stand_ins
+
+
 @dataclass(slots=True)
 class _Group:
     """The spans of one dtype in a bucket."""
@@ -83,6 +108,8 @@ class _Group:
     served_templates: list[Tensor]
     served_where: list[int]
     served_entries: list[int]  # index in the bucket's entries of each served view
+    # fp8 outputs quantized straight into the bucket: (recipe, output, index in copy templates)
+    direct: list[tuple[int, int, int]]
 
 
 @dataclass(slots=True)
@@ -91,24 +118,68 @@ class _PlannedBucket:
     nbytes: int
     alloc: int  # nbytes rounded up so that every dtype can view the whole allocation
     groups: list[_Group]
-    sources: list[Tensor]  # in copy order: group by group, ascending offset
+    # in copy order (group by group, ascending offset); a meta stand-in where `derived` fills in
+    sources: list[Tensor]
     chunks: list[tuple[int, Tensor, int, int]]  # (index in sources, part, start, count)
+    # (index in sources, recipe, output, start, count or None for the whole output)
+    derived: list[tuple[int, int, int, int, int | None]]
+    release: list[int]  # recipes whose outputs no later bucket carries
+    quantize_now: list[int]  # direct recipes whose first output lands in this bucket
 
 
-def _plan_bucket(entries: list[BucketEntry], copies: list[_Copy], nbytes: int) -> _PlannedBucket:
+def _is_whole(c: Placed) -> bool:
+    return not c.start and c.nbytes == c.part.numel() * c.dtype.itemsize
+
+
+def _direct_recipes(
+    closed: list[tuple[list[BucketEntry], list[Placed], int]],
+    stand_ins: Mapping[int, tuple[int, int]],
+) -> dict[int, int]:
+    """Recipes whose codes and scales both land whole in buckets -> the first such bucket.
+
+    Those are quantized straight into the bucket memory (no temporary, no copy); a recipe with
+    a split output goes through a temporary and the bucket copies.
+    """
+    first: dict[int, int] = {}
+    split: set[int] = set()
+    for index, (_, placed, _) in enumerate(closed):
+        for c in placed:
+            if id(c.part) in stand_ins:
+                recipe = stand_ins[id(c.part)][0]
+                first.setdefault(recipe, index)
+                if not _is_whole(c):
+                    split.add(recipe)
+    return {recipe: index for recipe, index in first.items() if recipe not in split}
+
+
+def _plan_bucket(
+    index: int,
+    entries: list[BucketEntry],
+    placed: list[Placed],
+    nbytes: int,
+    stand_ins: Mapping[int, tuple[int, int]],
+    direct: Mapping[int, int],
+) -> _PlannedBucket:
     groups: list[_Group] = []
     sources: list[Tensor] = []
     chunks: list[tuple[int, Tensor, int, int]] = []
-    for dtype in dict.fromkeys(c.dtype for c in copies):
-        mine = sorted((c for c in copies if c.dtype == dtype), key=lambda c: c.offset)
+    derived: list[tuple[int, int, int, int, int | None]] = []
+    for dtype in dict.fromkeys(c.dtype for c in placed):
+        mine = sorted((c for c in placed if c.dtype == dtype), key=lambda c: c.offset)
         copy_spans: list[tuple[int, int, tuple[int, ...] | torch.Size]] = []
+        into: list[tuple[int, int] | None] = []  # per span: (recipe, output) if written directly
         for c in mine:
-            count = c.nbytes // dtype.itemsize
-            if c.start or count != c.part.numel():  # a chunk of a split tensor: flat
+            count, whole = c.nbytes // dtype.itemsize, _is_whole(c)
+            # a whole part keeps its shape, so the Parameter itself is the copy source
+            copy_spans.append((c.offset, c.nbytes, c.part.shape if whole else (count,)))
+            key = stand_ins.get(id(c.part))  # fp8 codes or scales: recomputed on every replay
+            into.append(key if key is not None and key[0] in direct else None)
+            if into[-1] is not None:
+                continue
+            if key is not None:
+                derived.append((len(sources), *key, c.start, None if whole else count))
+            elif not whole:  # a chunk of a split tensor: flat
                 chunks.append((len(sources), c.part, c.start, count))
-                copy_spans.append((c.offset, c.nbytes, (count,)))
-            else:  # a whole part: its own shape, so the Parameter itself is the copy source
-                copy_spans.append((c.offset, c.nbytes, c.part.shape))
             sources.append(c.part)
         served = [
             i
@@ -116,10 +187,15 @@ def _plan_bucket(entries: list[BucketEntry], copies: list[_Copy], nbytes: int) -
             if e.dtype == dtype and e.nbytes == e.total_nbytes > 0 and not e.chunk_offset
         ]
         served_spans = [(entries[i].offset, entries[i].nbytes, entries[i].shape) for i in served]
-        ct, cw = _templates(copy_spans, dtype.itemsize)
+        ct, where = _templates(copy_spans, dtype.itemsize)
+        cw = [w for w, key in zip(where, into, strict=True) if key is None]
+        to_bank = [(*key, w) for w, key in zip(where, into, strict=True) if key is not None]
         st, sw = _templates(served_spans, dtype.itemsize)
-        groups.append(_Group(dtype, ct, cw, st, sw, served))
-    return _PlannedBucket(entries, nbytes, _align(nbytes), groups, sources, chunks)
+        groups.append(_Group(dtype, ct, cw, st, sw, served, to_bank))
+    quantize_now = [recipe for recipe, first in direct.items() if first == index]
+    return _PlannedBucket(
+        entries, nbytes, _align(nbytes), groups, sources, chunks, derived, [], quantize_now
+    )
 
 
 def _storage_users(t: Tensor) -> int:
@@ -141,6 +217,7 @@ class _Bank:
         ]
         self.dst: list[list[Tensor]] = []
         self.views: list[list[Tensor | None] | None] = []
+        self.fp8: dict[int, list[Tensor]] = {}  # recipe -> [codes view, scales view]
         for planned, buffer in zip(buckets, buffers, strict=True):
             dst: list[Tensor] = []
             views: list[Tensor | None] = [None] * len(planned.entries)
@@ -148,6 +225,8 @@ class _Bank:
                 typed = buffer.view(g.dtype)
                 made = unflatten(typed, g.copy_templates)
                 dst += [made[i] for i in g.copy_where]
+                for recipe, output, i in g.direct:
+                    self.fp8.setdefault(recipe, [made[i], made[i]])[output] = made[i]
                 if served:
                     made = unflatten(typed, g.served_templates)
                     for entry, i in zip(g.served_entries, g.served_where, strict=True):
@@ -189,6 +268,7 @@ class RefitPlan:
         model: torch.nn.Module,
         packer: BucketPacker,
         manifest: Mapping[str, Any],
+        quantized: QuantizedSources,
         *,
         adopts: bool,
     ) -> None:
@@ -199,8 +279,16 @@ class RefitPlan:
         self._modules = list(model.modules())[1:]  # not the model: the cache must not keep it
         self._objects = _structure(model, self._modules)  # held, so their ids stay unique
         self._ids = [id(v) for v in self._objects]
-        self.buckets = [_plan_bucket(*closed) for closed in packer.closed]
-        self._params = list({id(p): p for b in self.buckets for p in b.sources}.values())
+        direct = _direct_recipes(packer.closed, quantized.stand_ins)
+        self.buckets = [_plan_bucket(i, *closed, quantized.stand_ins, direct)
+                        for i, closed in enumerate(packer.closed)]  # fmt: skip
+        self.recipes = quantized.parts  # per fp8 weight, the trainer parts it is quantized from
+        last_use = {recipe: i for i, b in enumerate(self.buckets) for _, recipe, *_ in b.derived}
+        for recipe, i in last_use.items():
+            self.buckets[i].release.append(recipe)
+        read = [p for b in self.buckets for p in b.sources if id(p) not in quantized.stand_ins]
+        read += [p for parts in self.recipes for p in parts]
+        self._params = list({id(p): p for p in read}.values())
         self._shapes = [p.shape for p in self._params]
         self._banks: list[_Bank] = []  # least recently used first; at most two
         self.banks_made = 0  # allocations of bucket buffers by replays (2 in steady state)
@@ -255,14 +343,25 @@ class RefitPlan:
     def buckets_now(self) -> Iterator[Bucket]:
         """The buckets with the sources' current values (copies issued, not synced)."""
         bank = self._bank()
+        outputs: dict[int, tuple[Tensor, Tensor]] = {}  # fp8 codes and scales, while carried
         for index, planned in enumerate(self.buckets):
+            for recipe in planned.quantize_now:  # codes and scales straight into the bank
+                q, scale_inv = bank.fp8[recipe]
+                quantize_parts(self.recipes[recipe], self.device, out=(q, scale_inv))
             sources = planned.sources
-            if planned.chunks:  # slices of the flattened parts, taken now: `.data` may move
+            if planned.chunks or planned.derived:
                 sources = list(sources)
-                for at, part, start, count in planned.chunks:
-                    sources[at] = part.reshape(-1)[start : start + count]
+            for at, part, start, count in planned.chunks:  # slices taken now: `.data` may move
+                sources[at] = part.reshape(-1)[start : start + count]
+            for at, recipe, output, start, num in planned.derived:
+                if recipe not in outputs:
+                    outputs[recipe] = quantize_parts(self.recipes[recipe], self.device)
+                made = outputs[recipe][output]
+                sources[at] = made if num is None else made.reshape(-1)[start : start + num]
             if sources:
                 torch._foreach_copy_(bank.dst[index], sources, non_blocking=True)
+            for recipe in planned.release:  # freed after its copies were queued: stream-ordered
+                del outputs[recipe]
             yield Bucket(index, bank.buffers[index], planned.entries, self.adopts,
                          bank.views[index])  # fmt: skip
 
