@@ -105,7 +105,7 @@ def test_steady_state_replays_alternate_two_banks() -> None:
         assert refit(model, engine, bucket_bytes=bucket_bytes).num_buckets > 1
         where.append(data_ptrs(engine.weights))
         assert bit_equal(engine.weights, fresh(model))
-    assert current_plan(model) is plan and plan.banks_made == 2
+    assert current_plan(model) is plan and plan.banks.made == 2
     assert where[0] == where[2] == where[4] and where[1] == where[3]
     assert not set(where[0].values()) & set(where[1].values())
 

@@ -103,4 +103,4 @@ def test_cuda_replays_reuse_two_banks_and_stay_exact(
         got = [c.tokens for c in engine.generate(prompts, params)]
         assert got == [c.tokens for c in direct.generate(prompts, params)], step
     plan = current_plan(model)
-    assert plan is not None and plan.banks_made == 2
+    assert plan is not None and plan.banks.made == 2

@@ -17,17 +17,8 @@ the engine manifest (names, shapes, dtypes), the bucket size, the device and the
 buffer mode. Source dtypes and devices need no check: the cast and the transfer are part of
 the copy, and the entry dtype comes from the manifest.
 
-Buffer ownership: buffers and every view of them are made once per *bank* (one buffer per
-bucket) and reused. For a transport that adopts buckets (in process) the engine serves a bank's
-views, so the plan keeps two banks and writes into one only while nothing outside the plan holds
-it: no extra reference to any of its served tensor objects (the engine's current dict, a dict or
-tensor someone kept) and no other tensor on its memory (a view or slice someone made). If the bank
-due for reuse is held, the plan makes a fresh one and forgets the held one, so a later refit
-never writes memory that the engine or a generation still reads. In steady state (the engine
-serves bank A, nobody keeps the previous version) refit n+1 writes bank B, refit n+2 bank A again:
-no allocation and no Python-level view op per tensor. Reuse relies on one stream: the copies
-of a refit are ordered after the kernels that last read the bank. For a transport that copies the
-payload (broadcast), one bank of two cycled buffers, like `BucketPacker`.
+Buffer ownership: replays write into reusable *banks* of bucket buffers (refit/bank.py), which
+are never rewritten while the engine, a generation or a caller still holds their tensors.
 fp8: a quantized weight is recorded as a recipe (its trainer Parameters) plus meta stand-ins
 for its codes and scales (`QuantizedSources`); a replay quantizes each recipe from current
 values, straight into the bank's views when both outputs land whole in buckets, else into a
@@ -37,7 +28,6 @@ Left out: detecting a persistent buffer re-registered as non-persistent under th
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,6 +37,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
+from birkhoff.refit.bank import Banks
 from birkhoff.refit.bucket import Bucket, BucketEntry, BucketPacker, Placed, _align
 from birkhoff.refit.fp8 import quantize_parts
 
@@ -198,58 +189,6 @@ def _plan_bucket(
     )
 
 
-def _storage_users(t: Tensor) -> int:
-    """How many tensors share `t`'s memory (torch's own count; cudagraph trees read it too)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-class _Bank:
-    """One buffer per bucket with every view the replays need, made once and reused.
-
-    `dst[i]` are the copy destinations of bucket i in its sources' order, `views[i]` its served
-    views (one per entry, None for a chunk) when the transport adopts buckets.
-    """
-
-    def __init__(self, buckets: list[_PlannedBucket], buffers: list[Tensor], served: bool) -> None:
-        unflatten = torch._C._nn.unflatten_dense_tensors
-        self.buffers = [
-            buffer[: planned.nbytes] for planned, buffer in zip(buckets, buffers, strict=True)
-        ]
-        self.dst: list[list[Tensor]] = []
-        self.views: list[list[Tensor | None] | None] = []
-        self.fp8: dict[int, list[Tensor]] = {}  # recipe -> [codes view, scales view]
-        for planned, buffer in zip(buckets, buffers, strict=True):
-            dst: list[Tensor] = []
-            views: list[Tensor | None] = [None] * len(planned.entries)
-            for g in planned.groups:
-                typed = buffer.view(g.dtype)
-                made = unflatten(typed, g.copy_templates)
-                dst += [made[i] for i in g.copy_where]
-                for recipe, output, i in g.direct:
-                    self.fp8.setdefault(recipe, [made[i], made[i]])[output] = made[i]
-                if served:
-                    made = unflatten(typed, g.served_templates)
-                    for entry, i in zip(g.served_entries, g.served_where, strict=True):
-                        views[entry] = made[i]
-            self.dst.append(dst)
-            self.views.append(views if served else None)
-        self._baseline: list[int] = []
-
-    def _references(self) -> list[int]:
-        # the same expression at baseline and at every check: only outside holders differ
-        served = [sys.getrefcount(v) for vs in self.views if vs for v in vs if v is not None]
-        return served + [_storage_users(b) for b in self.buffers]
-
-    def seal(self) -> _Bank:
-        """Record the references the plan itself holds (call once the bank is built)."""
-        self._baseline = self._references()
-        return self
-
-    def held(self) -> bool:
-        """True if anything outside the plan references a served tensor or the memory."""
-        return self._references() != self._baseline
-
-
 def _structure(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[Any]:
     """Every submodule, parameter and buffer object of the model, in registration order."""
     return [
@@ -290,8 +229,7 @@ class RefitPlan:
         read += [p for parts in self.recipes for p in parts]
         self._params = list({id(p): p for p in read}.values())
         self._shapes = [p.shape for p in self._params]
-        self._banks: list[_Bank] = []  # least recently used first; at most two
-        self.banks_made = 0  # allocations of bucket buffers by replays (2 in steady state)
+        self.banks = Banks(self.buckets, device=self.device, adopts=adopts)
 
     def matches(
         self,
@@ -313,36 +251,9 @@ class RefitPlan:
             and manifest == self.manifest
         )
 
-    def _new_bank(self) -> _Bank:
-        self.banks_made += 1
-        if self.adopts:  # one fresh buffer per bucket: the engine will serve views of it
-            buffers = [torch.empty(b.alloc, dtype=torch.uint8, device=self.device)
-                       for b in self.buckets]  # fmt: skip
-        else:  # two buffers cycled: the transport copies a bucket out before the next reuse
-            size = max((b.alloc for b in self.buckets), default=0)
-            pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
-            buffers = [pool[i % 2][: b.alloc] for i, b in enumerate(self.buckets)]
-        return _Bank(self.buckets, buffers, served=self.adopts).seal()
-
-    def _bank(self) -> _Bank:
-        """The least recently used bank that nothing outside the plan holds, else a new one."""
-        if not self.adopts:
-            if not self._banks:
-                self._banks.append(self._new_bank())
-            return self._banks[0]
-        free = next((b for b in self._banks if not b.held()), None)
-        if free is None:
-            free = self._new_bank()
-            if len(self._banks) == 2:  # forget the older held one; its holders keep it alive
-                self._banks.pop(0)
-        else:
-            self._banks.remove(free)
-        self._banks.append(free)  # most recently used last
-        return free
-
     def buckets_now(self) -> Iterator[Bucket]:
         """The buckets with the sources' current values (copies issued, not synced)."""
-        bank = self._bank()
+        bank = self.banks.take()
         outputs: dict[int, tuple[Tensor, Tensor]] = {}  # fp8 codes and scales, while carried
         for index, planned in enumerate(self.buckets):
             for recipe in planned.quantize_now:  # codes and scales straight into the bank
