@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from refit_helpers import PROMPTS, make_engine, make_model, run, tiny_config
 from birkhoff.model import Transformer
 from birkhoff.refit import RefitError, refit
 from birkhoff.refit.bucket import Bucket
-from birkhoff.refit.plan import current_plan
+from birkhoff.refit.plan import RefitPlan, current_plan
 from birkhoff.refit.session import RefitReport
 from birkhoff.refit.transport import InProcessTransport
 
@@ -248,4 +249,41 @@ def test_replay_through_a_copying_transport(bucket_bytes: int, quantize: str | N
                        transport=transport)  # fmt: skip
         assert isinstance(report, RefitReport) and report.version == step + 1
         assert bit_equal(engine.weights, fresh(model, quantize=quantize))
+
         train_step(model, seed=step)
+
+
+def direct_outputs(plan: RefitPlan) -> list[set[tuple[int, int]]]:
+    """Per bucket, the (recipe, output) pairs quantized straight into its memory."""
+    return [{(r, o) for g in b.groups for r, o, _ in g.direct} for b in plan.buckets]
+
+
+@pytest.mark.parametrize("adopts", [True, False])
+def test_fp8_codes_and_scales_in_different_buckets(adopts: bool) -> None:
+    """A bucket exactly as large as the biggest code tensor pushes its scales to the next bucket.
+
+    In process, both are still quantized straight into bucket memory; with cycled buffers (a
+    copying transport) only when they share a bucket, since the next bucket's buffer may still
+    be in flight as the previous bucket's payload.
+    """
+    model = make_model(CFG, seed=0)
+    engine = make_engine(make_model(CFG, seed=1), dtype=torch.bfloat16, quantize="fp8")
+    fp8 = [s for s in engine.manifest().values() if s.dtype == torch.float8_e4m3fn]
+    bucket_bytes = max(math.prod(s.shape) for s in fp8)
+    for step in range(3):
+        transport = InProcessTransport(engine) if adopts else CopyingTransport(engine)
+        refit(model, None, bucket_bytes=bucket_bytes, quantize="fp8", transport=transport)
+        assert bit_equal(engine.weights, fresh(model, quantize="fp8"))
+        train_step(model, seed=step)
+    plan = current_plan(model)
+    assert plan is not None
+    per_bucket = direct_outputs(plan)
+    split = [r for outs in per_bucket for r, o in outs
+             if o == 0 and (r, 1) not in outs]  # fmt: skip
+    if adopts:
+        assert split, "expected a weight whose scales land in the next bucket"
+        assert sum(len(b.quantize_now) for b in plan.buckets) == len(fp8)
+    else:
+        assert not split
+        for outs, bucket in zip(per_bucket, plan.buckets, strict=True):
+            assert {r for r, _ in outs} == set(bucket.quantize_now)

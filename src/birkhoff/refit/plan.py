@@ -125,22 +125,26 @@ def _is_whole(c: Placed) -> bool:
 def _direct_recipes(
     closed: list[tuple[list[BucketEntry], list[Placed], int]],
     stand_ins: Mapping[int, tuple[int, int]],
+    *,
+    adopts: bool,
 ) -> dict[int, int]:
     """Recipes whose codes and scales both land whole in buckets -> the first such bucket.
 
     Those are quantized straight into the bucket memory (no temporary, no copy); a recipe with
-    a split output goes through a temporary and the bucket copies.
+    a split output goes through a temporary and the bucket copies. With cycled buffers (a
+    copying transport) both outputs must share a bucket: the next bucket's buffer may still be
+    on its way out as the previous bucket's payload.
     """
     first: dict[int, int] = {}
-    split: set[int] = set()
+    excluded: set[int] = set()
     for index, (_, placed, _) in enumerate(closed):
         for c in placed:
             if id(c.part) in stand_ins:
                 recipe = stand_ins[id(c.part)][0]
                 first.setdefault(recipe, index)
-                if not _is_whole(c):
-                    split.add(recipe)
-    return {recipe: index for recipe, index in first.items() if recipe not in split}
+                if not _is_whole(c) or (not adopts and first[recipe] != index):
+                    excluded.add(recipe)
+    return {recipe: index for recipe, index in first.items() if recipe not in excluded}
 
 
 def _plan_bucket(
@@ -218,7 +222,7 @@ class RefitPlan:
         self._modules = list(model.modules())[1:]  # not the model: the cache must not keep it
         self._objects = _structure(model, self._modules)  # held, so their ids stay unique
         self._ids = [id(v) for v in self._objects]
-        direct = _direct_recipes(packer.closed, quantized.stand_ins)
+        direct = _direct_recipes(packer.closed, quantized.stand_ins, adopts=adopts)
         self.buckets = [_plan_bucket(i, *closed, quantized.stand_ins, direct)
                         for i, closed in enumerate(packer.closed)]  # fmt: skip
         self.recipes = quantized.parts  # per fp8 weight, the trainer parts it is quantized from

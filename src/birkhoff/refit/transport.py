@@ -16,8 +16,8 @@ Commit across engine ranks is two-phase: on `finish` every engine rank checks it
 all ranks (the sender included) exchange the verdicts with `all_gather_object`, and only if every
 rank passed does each commit; otherwise every rank aborts and raises the same `RefitError`. So a
 replica never serves a version that another replica rejected. Left out: point-to-point or RDMA
-transfer, overlapping the next bucket's broadcast with the current bucket's copy, and recovering
-from a rank that dies mid-session.
+transfer, sending a plan's bucket metadata once instead of per bucket (each control message is
+a small broadcast the receiver waits for), and recovering from a rank that dies mid-session.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class BroadcastSender:
         self.device = torch.device(device)
         self._manifest: Mapping[str, Any] | None = None
         self._open = False  # receivers are inside a session
+        self._inflight: list[dist.Work] = []  # payload broadcasts not yet waited for (CUDA)
 
     def _control(self, message: dict[str, Any]) -> None:
         _bcast_object(message, src=self.src, group=self.group)
@@ -133,11 +134,29 @@ class BroadcastSender:
         return self._manifest
 
     def send(self, bucket: Bucket) -> None:
+        """Broadcast one bucket; on CUDA the payload overlaps the packing of the next bucket.
+
+        The packer cycles two buffers, so the bucket after next reuses this one's memory: once
+        the next payload is queued, the compute stream is made to wait for this one (no host
+        sync). On CPU (gloo) every broadcast completes before `send` returns.
+        """
         self._control({"op": "bucket", "index": bucket.index, "nbytes": bucket.nbytes,
                        "entries": bucket.entries})  # fmt: skip
-        dist.broadcast(bucket.buffer, src=self.src, group=self.group)
+        if not bucket.buffer.is_cuda:
+            dist.broadcast(bucket.buffer, src=self.src, group=self.group)
+            return
+        work = dist.broadcast(bucket.buffer, src=self.src, group=self.group, async_op=True)
+        assert work is not None
+        self._inflight.append(work)
+        if len(self._inflight) == 2:
+            self._inflight.pop(0).wait()
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._inflight.pop(0).wait()
 
     def finish(self, *, check_finite: bool = False) -> RefitReport:
+        self._drain()
         self._control({"op": "finish", "check_finite": check_finite})
         self._open = False
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
@@ -149,6 +168,7 @@ class BroadcastSender:
         return report
 
     def abort(self) -> None:
+        self._drain()
         if self._open:  # after finish the receivers have left the session loop
             self._control({"op": "abort"})
             self._open = False
