@@ -2,8 +2,8 @@
 
 Per case (a bf16 engine, then fp8 engines at two bucket sizes), three updates must land
 bit-identical to a direct load of the same weights on the engine's GPU, and an update with a
-NaN weight (check_finite=True) must be rejected on both ranks with the engine unchanged. Workers assert locally; a failing assertion
-fails the spawn.
+NaN weight (check_finite=True) must be rejected on both ranks with the engine unchanged.
+Workers assert locally; a failing assertion fails the spawn.
 """
 
 from __future__ import annotations
