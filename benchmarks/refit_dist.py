@@ -5,8 +5,7 @@ committed, so its time is end to end):
   nccl_broadcast  one `dist.broadcast` of a buffer as large as the bf16 engine state: the
                   transport's ceiling
   peer_copy       `dst.copy_(src)` from cuda:0 to cuda:1 of the same bytes (NVLink)
-  refit_<q>@<MB>/<control>  refit(model, None, transport=BroadcastSender) into a bf16 or
-                  fp8 engine, control messages over NCCL or over a gloo side group
+  refit_<q>@<MB>  refit(model, None, transport=BroadcastSender) into a bf16 or fp8 engine
 GB/s counts the bytes the engine ends up serving; ratios are against `nccl_broadcast`.
 
   python benchmarks/refit_dist.py                       # ~1.1B params, 256 MB and 1 GB buckets
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -60,9 +58,8 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def schedule(args: argparse.Namespace) -> list[tuple[str | None, float, str]]:
-    """(quantize, bucket MB, control messages over "nccl" or a "gloo" side group)."""
-    return [(q, mb, c) for c in ("nccl", "gloo") for q in (None, "fp8") for mb in args.bucket_mb]
+def schedule(args: argparse.Namespace) -> list[tuple[str | None, float]]:
+    return [(q, mb) for q in (None, "fp8") for mb in args.bucket_mb]
 
 
 def measure_refit(
@@ -99,14 +96,11 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
     params = sum(t.numel() for _, t in trainer_tensors(model, model.cfg))
     dist.broadcast_object_list([params], src=0)
     rows = measure_transfers(2 * params, args.repeats)
-    senders = {c: BroadcastSender(src=0, engine_src=1, device="cuda:0", control_group=g)
-               for c, g in control_groups().items()}  # fmt: skip
+    sender = BroadcastSender(src=0, engine_src=1, device="cuda:0")
     served = {}
-    for quantize, mb, control in schedule(args):
-        name = f"refit_{quantize or 'bf16'}@{mb:g}MB/{control}"
-        rows[name], served[name] = measure_refit(
-            model, senders[control], quantize, int(mb * 2**20), args
-        )
+    for quantize, mb in schedule(args):
+        name = f"refit_{quantize or 'bf16'}@{mb:g}MB"
+        rows[name], served[name] = measure_refit(model, sender, quantize, int(mb * 2**20), args)
     nbytes = {"nccl_broadcast": 2 * params, "peer_copy": 2 * params, **served}
     ceiling = nbytes["nccl_broadcast"] / rows["nccl_broadcast"]
     table = {name: {"seconds": s, "bytes": nbytes[name], "gb_per_s": nbytes[name] / s / 1e9,
@@ -124,17 +118,11 @@ def engine_rank(args: argparse.Namespace) -> None:
     for _ in range(WARMUP + args.repeats):
         dist.broadcast(buffer, src=0)
     del buffer
-    groups = control_groups()
-    for quantize, _, control in schedule(args):
+    for quantize, _ in schedule(args):
         engine = Engine(config(args), device="cuda:1", dtype=torch.bfloat16, quantize=quantize,
                         max_batch_size=1)  # fmt: skip
         for _ in range(WARMUP + args.repeats):
-            serve_refit(engine, src=0, engine_src=1, control_group=groups[control])
-
-
-def control_groups() -> dict[str, dist.ProcessGroup | None]:
-    """Where control messages go: the NCCL group itself, or a gloo group over the same ranks."""
-    return {"nccl": None, "gloo": dist.new_group(backend="gloo")}
+            serve_refit(engine, src=0, engine_src=1)
 
 
 def worker(rank: int, args: argparse.Namespace, init_file: str) -> None:
@@ -158,9 +146,9 @@ def worker(rank: int, args: argparse.Namespace, init_file: str) -> None:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{' + '.join(result['devices'])}: {result['params'] / 1e9:.3f}B params, fp32 trainer")
-    print(f"{'row':<28}{'GB':>8}{'ms':>10}{'GB/s':>9}{'vs bcast':>10}")
+    print(f"{'row':<22}{'GB':>8}{'ms':>10}{'GB/s':>9}{'vs bcast':>10}")
     for name, r in result["rows"].items():
-        print(f"{name:<28}{r['bytes'] / 1e9:>8.3f}{r['seconds'] * 1e3:>10.2f}{r['gb_per_s']:>9.1f}"
+        print(f"{name:<22}{r['bytes'] / 1e9:>8.3f}{r['seconds'] * 1e3:>10.2f}{r['gb_per_s']:>9.1f}"
               f"{r['ratio_to_nccl_broadcast']:>10.3f}")  # fmt: skip
 
 
@@ -176,7 +164,6 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         p.error(f"needs two CUDA devices, found {torch.cuda.device_count()}")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gloo control group: loopback
     init_file = f"/tmp/birkhoff-refit-dist-{time.time_ns()}"
     mp.start_processes(worker, args=(args, init_file), nprocs=2, join=True, start_method="spawn")
     return 0

@@ -1,7 +1,6 @@
 """Broadcast refit over NCCL: trainer on cuda:0, engine on cuda:1 (needs two GPUs).
 
-Per case (a bf16 engine, then fp8 engines at two bucket sizes; control messages over NCCL,
-then over a gloo side group), three updates must land
+Per case (a bf16 engine, then fp8 engines at two bucket sizes), three updates must land
 bit-identical to a direct load of the same weights on the engine's GPU, and an update with a
 NaN weight (check_finite=True) must be rejected on both ranks with the engine unchanged.
 Workers assert locally; a failing assertion fails the spawn.
@@ -46,9 +45,9 @@ def step_weights(model: Transformer, step: int) -> None:
             p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
 
 
-def _trainer(quantize: str | None, bucket_bytes: int, control: dist.ProcessGroup | None) -> None:
+def _trainer(quantize: str | None, bucket_bytes: int) -> None:
     model = make_model(CFG, seed=1).to("cuda:0")
-    sender = BroadcastSender(src=0, engine_src=1, device="cuda:0", control_group=control)
+    sender = BroadcastSender(src=0, engine_src=1, device="cuda:0")
     for step in range(STEPS):
         step_weights(model, step)
         report = refit(model, None, bucket_bytes=bucket_bytes, quantize=quantize, transport=sender)
@@ -62,12 +61,12 @@ def _trainer(quantize: str | None, bucket_bytes: int, control: dist.ProcessGroup
     assert info.value.non_finite, info.value
 
 
-def _engine(quantize: str | None, control: dist.ProcessGroup | None) -> None:
+def _engine(quantize: str | None) -> None:  # the bucket size is the sender's business
     kw = dict(device="cuda:1", dtype=torch.bfloat16, quantize=quantize, max_batch_size=2)
     engine = Engine.from_model(make_model(CFG, seed=0), **kw)
     reference = make_model(CFG, seed=1)
     for step in range(STEPS):
-        report = serve_refit(engine, src=0, engine_src=1, control_group=control)
+        report = serve_refit(engine, src=0, engine_src=1)
         assert report is not None and report.version == engine.weight_version == step + 1
         step_weights(reference, step)
         direct = Engine.from_model(copy.deepcopy(reference).to("cuda:1"), **kw)
@@ -77,7 +76,7 @@ def _engine(quantize: str | None, control: dist.ProcessGroup | None) -> None:
             assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
     before = {n: t.clone() for n, t in engine.weights.items()}
     with pytest.raises(RefitError):
-        serve_refit(engine, src=0, engine_src=1, control_group=control)
+        serve_refit(engine, src=0, engine_src=1)
     assert engine.weight_version == STEPS
     assert all(torch.equal(engine.weights[n].view(torch.uint8), t.view(torch.uint8))
                for n, t in before.items())  # fmt: skip
@@ -90,22 +89,17 @@ def _worker(rank: int, init_file: str) -> None:
         timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank),
     )  # fmt: skip
     try:
-        # control messages over NCCL itself, then over a CPU side group
-        for control in (None, dist.new_group(backend="gloo")):
-            for quantize, bucket_bytes in CASES:
-                if rank == 0:
-                    _trainer(quantize, bucket_bytes, control)
-                else:
-                    _engine(quantize, control)
+        for quantize, bucket_bytes in CASES:
+            if rank == 0:
+                _trainer(quantize, bucket_bytes)
+            else:
+                _engine(quantize)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_nccl_broadcast_refit_across_two_gpus(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the control group's gloo stays on loopback
+def test_nccl_broadcast_refit_across_two_gpus(tmp_path: Path) -> None:
     # spawn: CUDA cannot be used in a forked child of a process that initialised it
     mp.start_processes(_worker, args=(str(tmp_path / "init"),), nprocs=2, join=True,
                        start_method="spawn")  # fmt: skip

@@ -10,16 +10,14 @@ A transport is the sender's view of a remote (or local) session: `begin`, `manif
   `broadcast_object_list`, the payload through `broadcast` of the uint8 buffer. The manifest comes
   from one engine rank (`engine_src`), so the sender never guesses dtypes. Each engine rank
   receives every bucket into a fresh buffer that its session adopts, so whole tensors are served
-  from the received bytes without a copy. On GPUs, pass a CPU (gloo) `control_group` over the
-  same ranks: the control messages then do not queue behind payloads on the NCCL stream, and an
-  engine rank posts the next payload while the current one is still arriving.
+  from the received bytes without a copy.
 
 Commit across engine ranks is two-phase: on `finish` every engine rank checks its staged update,
 all ranks (the sender included) exchange the verdicts with `all_gather_object`, and only if every
 rank passed does each commit; otherwise every rank aborts and raises the same `RefitError`. So a
 replica never serves a version that another replica rejected. Left out: point-to-point or RDMA
-transfer, sending a plan's bucket metadata once instead of per bucket, and recovering from a
-rank that dies mid-session.
+transfer, sending a plan's bucket metadata once instead of per bucket (each control message is
+a small broadcast the receiver waits for), and recovering from a rank that dies mid-session.
 """
 
 from __future__ import annotations
@@ -115,24 +113,20 @@ class BroadcastSender:
         engine_src: int,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
-        control_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.src, self.engine_src, self.group = src, engine_src, group
-        # control messages, manifest, verdicts and report; a CPU (gloo) group over the same
-        # ranks keeps them off the NCCL stream, so engine ranks can post payloads back to back
-        self.control = group if control_group is None else control_group
         self.device = torch.device(device)
         self._manifest: Mapping[str, Any] | None = None
         self._open = False  # receivers are inside a session
         self._inflight: list[dist.Work] = []  # payload broadcasts not yet waited for (CUDA)
 
     def _control(self, message: dict[str, Any]) -> None:
-        _bcast_object(message, src=self.src, group=self.control)
+        _bcast_object(message, src=self.src, group=self.group)
 
     def begin(self) -> None:
         self._control({"op": "begin"})
         self._open = True
-        self._manifest = _bcast_object(None, src=self.engine_src, group=self.control)
+        self._manifest = _bcast_object(None, src=self.engine_src, group=self.group)
 
     def manifest(self) -> Mapping[str, Any]:
         if self._manifest is None:
@@ -165,12 +159,12 @@ class BroadcastSender:
         self._drain()
         self._control({"op": "finish", "check_finite": check_finite})
         self._open = False
-        verdicts: list[Any] = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(verdicts, None, group=self.control)
+        verdicts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(verdicts, None, group=self.group)
         error = _merge_verdicts(verdicts)
         if error:
             raise error
-        report: RefitReport = _bcast_object(None, src=self.engine_src, group=self.control)
+        report: RefitReport = _bcast_object(None, src=self.engine_src, group=self.group)
         return report
 
     def abort(self) -> None:
@@ -181,35 +175,27 @@ class BroadcastSender:
 
 
 def serve_refit(
-    engine: RefitTarget,
-    *,
-    src: int,
-    engine_src: int,
-    group: dist.ProcessGroup | None = None,
-    control_group: dist.ProcessGroup | None = None,
+    engine: RefitTarget, *, src: int, engine_src: int, group: dist.ProcessGroup | None = None
 ) -> RefitReport | None:
     """Engine side of one broadcast refit: receive until finish/abort; None when aborted.
 
-    `group` carries the payloads, `control_group` (default: `group`) everything else; both must
-    match the sender's. Raises RefitError when any engine rank rejected the update (this rank's
-    weights unchanged).
+    Raises RefitError when any engine rank rejected the update (this rank's weights unchanged).
     """
     session, rank = RefitSession(engine), dist.get_rank()
-    control = group if control_group is None else control_group
     while True:
-        message = _bcast_object(None, src=src, group=control)
+        message = _bcast_object(None, src=src, group=group)
         op = message["op"]
         if op == "begin":
             session.begin()
             manifest = dict(engine.manifest()) if rank == engine_src else None
-            _bcast_object(manifest, src=engine_src, group=control)
+            _bcast_object(manifest, src=engine_src, group=group)
         elif op == "bucket":
             # a fresh buffer per bucket, adopted by the session: received bytes are served as is
             buffer = torch.empty(message["nbytes"], dtype=torch.uint8, device=session.device)
             dist.broadcast(buffer, src=src, group=group)
             session.load_bucket(Bucket(message["index"], buffer, message["entries"], True))
         elif op == "finish":
-            return _finish_two_phase(session, message["check_finite"], engine_src, control)
+            return _finish_two_phase(session, message["check_finite"], engine_src, group)
         elif op == "abort":
             session.abort()
             return None
