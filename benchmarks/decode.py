@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine, SamplingParams
@@ -62,11 +63,6 @@ def train(cfg: ModelConfig, steps: int, device: torch.device) -> Transformer:
             mtp = [round(x.item(), 3) for x in out.mtp_losses]
             print(f"train step {step}: main {out.main_loss.item():.3f} mtp {mtp}")  # type: ignore[union-attr]
     return model.eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 28) -> float:

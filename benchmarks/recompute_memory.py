@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import add_size_args, apply_sizes, sync
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
@@ -79,11 +80,6 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, vari
     assert loss is not None
     loss.backward()
     opt.step()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -185,29 +181,18 @@ def run_sanitizer_case(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    p.add_argument("--dim", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int)
+    add_size_args(p)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--mtp", type=int, default=1)
-    p.add_argument("--repeats", type=int)
     p.add_argument("--with-always", action="store_true", help="also run reclaim='always' last")
     p.add_argument("--sanitizer-case", choices=("always", "safe"))
-    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=768, layers=12, heads=12, vocab=16384, seq=2048, batch=4, repeats=10),
         "cpu": dict(dim=96, layers=3, heads=4, vocab=1024, seq=128, batch=2, repeats=3),
         "quick": dict(dim=64, layers=2, heads=4, vocab=256, seq=64, batch=2, repeats=2),
     }
-    for key, value in sizes["quick" if args.quick else args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_sizes(args, sizes)
     return args
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import add_size_args, apply_sizes, sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -37,11 +38,6 @@ from birkhoff.refit import refit
 from birkhoff.refit.layout import to_engine_layout, trainer_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
@@ -155,28 +151,17 @@ def print_table(result: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    p.add_argument("--dim", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--mtp", type=int, default=1)
+    add_size_args(p)
     p.add_argument("--bucket-mb", type=float, nargs="+")
     p.add_argument("--trainer-dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=2048, layers=18, heads=16, vocab=32768, bucket_mb=[256], repeats=5),
         "cpu": dict(dim=512, layers=8, heads=8, vocab=8192, bucket_mb=[4], repeats=5),
         "quick": dict(dim=64, layers=2, heads=4, vocab=256, bucket_mb=[1], repeats=2),
     }
-    for key, value in sizes["quick" if args.quick else args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_sizes(args, sizes)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     return args

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
@@ -89,11 +90,6 @@ def flops_per_token(model: Transformer, seq: int) -> float:
     num_matmul = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
     num_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim
     return 6.0 * num_matmul + 12.0 * (cfg.num_layers + cfg.mtp_depth) * seq * cfg.dim
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fwd_bwd(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> None:

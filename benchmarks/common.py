@@ -1,0 +1,36 @@
+"""What the benchmark scripts share: a device sync, the model-size flags, per-device sizes.
+
+Scripts run as `python benchmarks/<name>.py`, so this module is importable as `common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    """--device, --quick and the model-size flags; sizes left None come from `apply_sizes`."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    for name in ("dim", "layers", "heads", "vocab", "repeats"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--mtp", type=int, default=1)
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
+
+
+def apply_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> None:
+    """Fill every size flag left None from `sizes["quick"]` or `sizes[args.device]`."""
+    for key, value in sizes["quick" if args.quick else args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
