@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: a device sync, the model-size flags, per-device sizes.
+"""What the benchmark scripts share: device sync and timing, model-size flags, per-device sizes.
 
 Scripts run as `python benchmarks/<name>.py`, so this module is importable as `common`.
 """
@@ -6,6 +6,9 @@ Scripts run as `python benchmarks/<name>.py`, so this module is importable as `c
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,20 @@ def sync(device: str | torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: str | torch.device, repeats: int, *, warmup: int) -> float:
+    """Median wall seconds of `repeats` calls of `fn` after `warmup` calls, device work included."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

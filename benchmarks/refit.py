@@ -21,15 +21,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
-from common import add_size_args, apply_sizes, sync
+from common import add_size_args, apply_sizes
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -40,22 +39,13 @@ from birkhoff.refit.layout import to_engine_layout, trainer_tensors
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
-    """Median wall seconds of `fn` after three warm-up calls, device work included.
+# A refit reaches its steady state on the fourth call: the first records the refit plan, the
+# next two make its two banks of bucket buffers (then reused in turn).
+WARMUP = 3
 
-    Three, because a refit reaches its steady state on the fourth call: the first records the
-    refit plan, the next two make its two banks of bucket buffers (then reused in turn).
-    """
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+def timed(fn: Callable[[], Any], device: str, repeats: int) -> float:
+    return common.timed(fn, device, repeats, warmup=WARMUP)
 
 
 def build_model(args: argparse.Namespace) -> Transformer:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -46,16 +46,7 @@ def config(args: argparse.Namespace) -> ModelConfig:
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of `fn` (rank 0's view, device work included) after the warm-ups."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return common.timed(fn, "cuda", repeats, warmup=WARMUP)
 
 
 def schedule(args: argparse.Namespace) -> list[tuple[str | None, float]]:
