@@ -50,7 +50,7 @@ class Bank:
         ]
         self.dst: list[list[Tensor]] = []
         self.views: list[list[Tensor | None] | None] = []
-        self.fp8: dict[int, list[Tensor]] = {}  # recipe -> [codes view, scales view]
+        self.fp8: dict[tuple[int, int], Tensor] = {}  # (recipe, 0 codes | 1 scales) -> view
         for planned, buffer in zip(buckets, buffers, strict=True):
             dst: list[Tensor] = []
             views: list[Tensor | None] = [None] * len(planned.entries)
@@ -59,7 +59,7 @@ class Bank:
                 made = unflatten(typed, g.copy_templates)
                 dst += [made[i] for i in g.copy_where]
                 for recipe, output, i in g.direct:
-                    self.fp8.setdefault(recipe, [made[i], made[i]])[output] = made[i]
+                    self.fp8[recipe, output] = made[i]
                 if served:
                     made = unflatten(typed, g.served_templates)
                     for entry, i in zip(g.served_entries, g.served_where, strict=True):

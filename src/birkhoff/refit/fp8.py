@@ -17,9 +17,9 @@ maps back to +-448 and every other element is within fp32 rounding of an e4m3 gr
 Design choices: on CUDA with Triton, one fused kernel (`fp8_kernel.py`: one read of the weight,
 one write of the codes) that reproduces the eager reference bit for bit; elsewhere the eager
 reference, vectorised over blocks (pad to a multiple of the block, view as [R, block, C, block],
-reduce): a handful of kernels with no host sync. Partial edge
-blocks are zero-padded, which leaves amax unchanged. An all-zero block gets the smallest scale that
-keeps the division finite; its codes are 0 either way. Left out: per-tensor or per-row scaling,
+reduce): a handful of kernels with no host sync. Partial edge blocks are zero-padded, which
+leaves amax unchanged. An all-zero block gets the smallest scale that keeps the division finite;
+its codes are 0 either way. Left out: per-tensor or per-row scaling,
 e5m2, stochastic rounding, activation quantization.
 """
 

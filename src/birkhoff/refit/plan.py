@@ -261,8 +261,8 @@ class RefitPlan:
         outputs: dict[int, tuple[Tensor, Tensor]] = {}  # fp8 codes and scales, while carried
         for index, planned in enumerate(self.buckets):
             for recipe in planned.quantize_now:  # codes and scales straight into the bank
-                q, scale_inv = bank.fp8[recipe]
-                quantize_parts(self.recipes[recipe], self.device, out=(q, scale_inv))
+                out = (bank.fp8[recipe, 0], bank.fp8[recipe, 1])
+                quantize_parts(self.recipes[recipe], self.device, out=out)
             sources = planned.sources
             if planned.chunks or planned.derived:
                 sources = list(sources)

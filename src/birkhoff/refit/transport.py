@@ -118,7 +118,7 @@ class BroadcastSender:
         self.device = torch.device(device)
         self._manifest: Mapping[str, Any] | None = None
         self._open = False  # receivers are inside a session
-        self._inflight: list[dist.Work] = []  # payload broadcasts not yet waited for (CUDA)
+        self._pending: dist.Work | None = None  # the last payload broadcast (CUDA), not waited for
 
     def _control(self, message: dict[str, Any]) -> None:
         _bcast_object(message, src=self.src, group=self.group)
@@ -147,13 +147,14 @@ class BroadcastSender:
             return
         work = dist.broadcast(bucket.buffer, src=self.src, group=self.group, async_op=True)
         assert work is not None
-        self._inflight.append(work)
-        if len(self._inflight) == 2:
-            self._inflight.pop(0).wait()
+        self._drain()
+        self._pending = work
 
     def _drain(self) -> None:
-        while self._inflight:
-            self._inflight.pop(0).wait()
+        """Make the compute stream wait for the last payload broadcast (a no-op if none)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def finish(self, *, check_finite: bool = False) -> RefitReport:
         self._drain()
