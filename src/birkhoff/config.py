@@ -128,7 +128,12 @@ class MoEConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
         k = self.experts_per_token
-        check(k <= self.num_experts, "experts_per_token", k, f"must be <= num_experts={self.num_experts}")
+        check(
+            k <= self.num_experts,
+            "experts_per_token",
+            k,
+            f"must be <= num_experts={self.num_experts}",
+        )
         for name in ("num_shared_experts", "num_dense_layers"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")

@@ -69,7 +69,9 @@ def test_topk_selection_and_gate_normalisation() -> None:
     idx_TR, gates_TR = select_experts(scores_TE, bias_E, 3)
     torch.testing.assert_close(gates_TR.sum(-1), torch.ones(50, dtype=torch.float64))
     assert torch.equal(idx_TR.sort(-1).values, scores_TE.topk(3).indices.sort(-1).values)
-    torch.testing.assert_close(gates_TR, scores_TE.gather(-1, idx_TR) / scores_TE.topk(3).values.sum(-1, keepdim=True))
+    torch.testing.assert_close(
+        gates_TR, scores_TE.gather(-1, idx_TR) / scores_TE.topk(3).values.sum(-1, keepdim=True)
+    )
 
 
 def test_bias_changes_selection_but_not_gate_weights() -> None:
@@ -122,7 +124,9 @@ def test_sequence_balance_loss_by_hand() -> None:
     total = 0.0
     for b in range(2):
         p = (scores_BTE[b] / scores_BTE[b].sum(-1, keepdim=True)).mean(0)
-        f = torch.tensor([int((idx_BTR[b] == e).sum()) * 4 / (2 * 3) for e in range(4)], dtype=torch.float64)
+        f = torch.tensor(
+            [int((idx_BTR[b] == e).sum()) * 4 / (2 * 3) for e in range(4)], dtype=torch.float64
+        )
         total += float((f * p).sum()) / 2
     assert float(sequence_balance_loss(scores_BTE, idx_BTR)) == pytest.approx(total, rel=1e-12)
 
@@ -189,9 +193,14 @@ def train_loss_and_grads(cfg: ModelConfig) -> tuple[Tensor, dict[str, Tensor], d
 
 
 @pytest.mark.parametrize("balance_loss_weight", [0.0, 0.01])
-def test_moe_under_safe_recompute_is_identical_and_leaks_nothing(balance_loss_weight: float) -> None:
+def test_moe_under_safe_recompute_is_identical_and_leaks_nothing(
+    balance_loss_weight: float,
+) -> None:
     moe = MoEConfig(
-        num_experts=4, experts_per_token=2, expert_hidden=16, balance_loss_weight=balance_loss_weight
+        num_experts=4,
+        experts_per_token=2,
+        expert_hidden=16,
+        balance_loss_weight=balance_loss_weight,
     )
     cfg = CFG.replace(moe=moe, mtp_depth=1)
     ref_loss, ref_grads, ref_info = train_loss_and_grads(cfg)
@@ -275,12 +284,20 @@ def test_transformer_with_moe_trains() -> None:
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0]
     assert set(expert_load_stats(model)) == {"layers.1.mlp", "mtp.0.block.mlp"}
-    assert any(m.router_bias.abs().sum() > 0 for m in model.modules() if isinstance(m, MoEFeedForward))
+    assert any(
+        m.router_bias.abs().sum() > 0 for m in model.modules() if isinstance(m, MoEFeedForward)
+    )
 
 
 @pytest.mark.parametrize(("dense", "mtp_moe"), [(0, True), (1, False), (2, True)])
 def test_moe_placement(dense: int, mtp_moe: bool) -> None:
-    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=16, num_dense_layers=dense, mtp_moe=mtp_moe)
+    moe = MoEConfig(
+        num_experts=4,
+        experts_per_token=2,
+        expert_hidden=16,
+        num_dense_layers=dense,
+        mtp_moe=mtp_moe,
+    )
     model = Transformer(CFG.replace(moe=moe, mtp_depth=1))
     kinds = [type(b.mlp) for b in model.blocks] + [type(d.block.mlp) for d in model.mtp_depths]
     expected = [SwiGLU] * dense + [MoEFeedForward] * (2 - dense)
@@ -310,7 +327,9 @@ def test_invalid_moe_field_names_field_and_value(field: str, value: object) -> N
 
 
 def test_moe_config_round_trips_and_is_checked_against_the_model() -> None:
-    cfg = CFG.replace(moe=MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, mtp_moe=False))
+    cfg = CFG.replace(
+        moe=MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, mtp_moe=False)
+    )
     assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
     assert ModelConfig.from_dict(json.loads(CFG.replace(moe=None).to_json())).moe is None
     with pytest.raises(ValueError, match="unknown field"):

@@ -79,7 +79,9 @@ def sequence_balance_loss(scores_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
     B, T, E = scores_BTE.shape
     R = idx_BTR.shape[-1]
     hits_BE = torch.zeros(B, E, dtype=scores_BTE.dtype, device=scores_BTE.device)
-    hits_BE.scatter_add_(1, idx_BTR.flatten(1), torch.ones_like(idx_BTR.flatten(1), dtype=hits_BE.dtype))
+    hits_BE.scatter_add_(
+        1, idx_BTR.flatten(1), torch.ones_like(idx_BTR.flatten(1), dtype=hits_BE.dtype)
+    )
     f_BE = hits_BE * (E / (R * T))
     p_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
     return (f_BE * p_BE).sum(-1).mean()
@@ -200,6 +202,10 @@ class SharedExperts(nn.Module):
 
 class MoEFeedForward(nn.Module):
     """Shared experts + top-R routed experts; records load and balance loss in buffers."""
+
+    router_bias: Tensor  # [E] selection bias, fp32, persistent (checkpoints, refit)
+    expert_load: Tensor  # [E] tokens per expert in the last training forward
+    balance_loss: Tensor  # [] the last training forward's balance loss, detached
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__()
