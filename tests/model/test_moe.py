@@ -16,6 +16,7 @@ from birkhoff.model.moe import (
     expert_load_stats,
     experts_grouped,
     experts_loop,
+    pick_expert_fn,
     router_scores,
     select_experts,
     sequence_balance_loss,
@@ -174,6 +175,28 @@ def test_grouped_experts_match_the_loop_on_cuda(dtype: torch.dtype) -> None:
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     for ref, got in zip(exact, grouped, strict=True):
         torch.testing.assert_close(got.double().cpu(), ref, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_layer_on_cuda_under_bf16_autocast_takes_the_grouped_path() -> None:
+    moe = MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, balance_loss_weight=0.01)
+    ref_layer = moe_layer(moe)
+    layer = moe_layer(moe).float().cuda()
+    x_BTD = randn(2, 24, 32)
+    x_cuda = x_BTD.float().cuda()
+    w_gate_up, w_down = layer.experts.w_gate_up.bfloat16(), layer.experts.w_down.bfloat16()
+    assert pick_expert_fn(x_cuda.bfloat16().flatten(0, 1), w_gate_up, w_down) is experts_grouped
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x_cuda)
+    out.float().square().sum().backward()
+    ref_layer(x_BTD).square().sum().backward()
+    torch.testing.assert_close(out.double().cpu(), ref_layer(x_BTD).detach(), rtol=3e-2, atol=3e-3)
+    for (name, p), q in zip(layer.named_parameters(), ref_layer.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        scale = float(q.grad.abs().max())
+        torch.testing.assert_close(p.grad.double().cpu(), q.grad, rtol=0.0, atol=3e-2 * scale)
+    assert torch.equal(layer.expert_load.cpu(), ref_layer.expert_load)
 
 
 # ---- recompute, reclaim and the census

@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward with DeepSeek-V3 routing and auxiliary-loss-free balancing.
 
-Legend: B batch, T tokens, D model dim, E experts, F expert hidden, R experts per token,
-Q routed (token, expert) pairs = B*T*R.
+Legend: B batch, T tokens, D model dim, E experts, F expert hidden (2F: gate and up rows fused),
+R experts per token, Q routed (token, expert) pairs = B*T*R.
 
 Routing (DeepSeek-V3, arXiv 2412.19437, eqs. 12-16):
     s = sigmoid(x W_r^T)                     affinities, in >= fp32 with autocast off
@@ -65,9 +65,10 @@ def select_experts(scores_TE: Tensor, bias_E: Tensor, k: int) -> tuple[Tensor, T
 
 
 def count_load(idx_TR: Tensor, num_experts: int) -> Tensor:
-    """Tokens routed to each expert [E] (fp32), without a host sync."""
-    ones = torch.ones(idx_TR.numel(), device=idx_TR.device)
-    return torch.zeros(num_experts, device=idx_TR.device).scatter_add_(0, idx_TR.flatten(), ones)
+    """Tokens routed to each expert [E] (int64), without a host sync."""
+    flat_Q = idx_TR.flatten()
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_TR.device)
+    return counts_E.scatter_add_(0, flat_Q, torch.ones_like(flat_Q))
 
 
 def sequence_balance_loss(scores_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
@@ -101,31 +102,35 @@ class _BalanceLossGrad(torch.autograd.Function):
         return grad_out, aux_grad, None
 
 
-def swiglu(x_TD: Tensor, w_gate_up_XD: Tensor, w_down_DF: Tensor) -> Tensor:
+def swiglu(x_TD: Tensor, w_gate_up_2FD: Tensor, w_down_DF: Tensor) -> Tensor:
     """One fused-layout SwiGLU: w_gate_up = [gate rows; up rows] ([2F, D]), w_down [D, F]."""
-    gate_TF, up_TF = F.linear(x_TD, w_gate_up_XD).chunk(2, dim=-1)
+    gate_TF, up_TF = F.linear(x_TD, w_gate_up_2FD).chunk(2, dim=-1)
     return F.linear(F.silu(gate_TF) * up_TF, w_down_DF)
 
 
 def _combine(y_QD: Tensor, gates_TR: Tensor) -> Tensor:
-    """Sum the R slot outputs of each token, weighted by its gates: [T*R, D] -> [T, D]."""
+    """Sum the R slot outputs of each token, weighted by its gates: [T*R, D] -> [T, D].
+
+    In the gates' precision (>= fp32), cast back after: bf16 expert outputs are not summed in bf16.
+    """
     T, R = gates_TR.shape
-    y_TRD = y_QD.view(T, R, -1)
-    return (y_TRD * gates_TR.to(y_TRD.dtype)[..., None]).sum(1)
+    dtype = torch.promote_types(y_QD.dtype, gates_TR.dtype)
+    y_TRD = y_QD.view(T, R, -1).to(dtype)
+    return (y_TRD * gates_TR.to(dtype)[..., None]).sum(1).to(y_QD.dtype)
 
 
 def experts_loop(
-    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_EXD: Tensor, w_down_EDF: Tensor
+    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor
 ) -> Tensor:
     """Reference expert computation: one SwiGLU per expert over the pairs routed to it."""
     R = idx_TR.shape[1]
     flat_Q = idx_TR.flatten()
     rows, outs = [], []
-    for e in range(w_gate_up_EXD.shape[0]):
+    for e in range(w_gate_up_E2FD.shape[0]):
         rows_e = (flat_Q == e).nonzero().squeeze(1)
         if rows_e.numel() > 0:
             rows.append(rows_e)
-            outs.append(swiglu(x_TD[rows_e // R], w_gate_up_EXD[e], w_down_EDF[e]))
+            outs.append(swiglu(x_TD[rows_e // R], w_gate_up_E2FD[e], w_down_EDF[e]))
     # outputs in expert order -> (token, slot) order
     y_QD = torch.cat(outs)[torch.argsort(torch.cat(rows))]
     return _combine(y_QD, gates_TR)
@@ -138,12 +143,12 @@ def _grouped_mm() -> Callable[..., Tensor]:
     return fn  # type: ignore[no-any-return]
 
 
-def grouped_mm_supported(x_TD: Tensor, w_gate_up_EXD: Tensor, w_down_EDF: Tensor) -> bool:
+def grouped_mm_supported(x_TD: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor) -> bool:
     """grouped_mm's rules: one dtype of fp32/bf16/fp16, rows of D and F 16-byte aligned."""
     dtype = x_TD.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if w_gate_up_EXD.dtype != dtype or w_down_EDF.dtype != dtype:
+    if w_gate_up_E2FD.dtype != dtype or w_down_EDF.dtype != dtype:
         return False
     if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
@@ -152,25 +157,25 @@ def grouped_mm_supported(x_TD: Tensor, w_gate_up_EXD: Tensor, w_down_EDF: Tensor
 
 
 def experts_grouped(
-    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_EXD: Tensor, w_down_EDF: Tensor
+    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor
 ) -> Tensor:
     """Expert computation without a loop: sort pairs by expert, two grouped GEMMs, un-sort."""
-    E, R = w_gate_up_EXD.shape[0], idx_TR.shape[1]
+    E, R = w_gate_up_E2FD.shape[0], idx_TR.shape[1]
     flat_Q = idx_TR.flatten()
     order_Q = torch.argsort(flat_Q, stable=True)  # pair positions grouped by expert
     offs_E = count_load(idx_TR, E).cumsum(0).to(torch.int32)  # end of each expert's rows
     mm = _grouped_mm()
     x_QD = x_TD[order_Q // R]
-    gate_QF, up_QF = mm(x_QD, w_gate_up_EXD.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+    gate_QF, up_QF = mm(x_QD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
     y_QD = mm(F.silu(gate_QF) * up_QF, w_down_EDF.transpose(-2, -1), offs=offs_E)
     inverse_Q = torch.empty_like(order_Q)
     inverse_Q[order_Q] = torch.arange(order_Q.numel(), device=order_Q.device)
     return _combine(y_QD[inverse_Q], gates_TR)
 
 
-def pick_expert_fn(x_TD: Tensor, w_gate_up_EXD: Tensor, w_down_EDF: Tensor) -> ExpertFn:
+def pick_expert_fn(x_TD: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor) -> ExpertFn:
     """Grouped GEMMs on CUDA where supported; the exact loop elsewhere."""
-    if x_TD.is_cuda and grouped_mm_supported(x_TD, w_gate_up_EXD, w_down_EDF):
+    if x_TD.is_cuda and grouped_mm_supported(x_TD, w_gate_up_E2FD, w_down_EDF):
         return experts_grouped
     return experts_loop
 
