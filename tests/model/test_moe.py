@@ -99,7 +99,13 @@ def test_bias_update_moves_load_toward_balance() -> None:
     assert layer.expert_load.sum() == 256
     # sign updates of a fixed step oscillate around balance; on average they stay close to it
     assert ratios[0] > 1.9 and sum(ratios[-20:]) / 20 < 1.3
+    fresh = moe_layer(moe)
+    fresh(x_BTD)  # zero bias: selection is the plain top-k, nothing rerouted
+    assert expert_load_stats(fresh)[""]["rerouted_fraction"] == 0.0
     assert layer.router_bias[0] < 0  # the overloaded expert's bias went down
+    stats = expert_load_stats(layer)[""]
+    assert 0 < stats["rerouted_fraction"] <= 1  # the bias now sends some tokens elsewhere
+    assert stats["mean_load"] == 64 and stats["max_load"] == float(layer.expert_load.max())
 
 
 def test_balance_loss_gradient_equals_the_plain_gradient_of_loss_plus_aux() -> None:

@@ -71,6 +71,12 @@ def count_load(idx_TR: Tensor, num_experts: int) -> Tensor:
     return counts_E.scatter_add_(0, flat_Q, torch.ones_like(flat_Q))
 
 
+def rerouted_fraction(scores_TE: Tensor, idx_TR: Tensor) -> Tensor:
+    """Fraction of tokens whose expert set the bias changed (top-k of the scores alone differs)."""
+    plain_TR = torch.topk(scores_TE, idx_TR.shape[1], dim=-1).indices.sort(-1).values
+    return (plain_TR != idx_TR.sort(-1).values).any(-1).float().mean()
+
+
 def sequence_balance_loss(scores_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
     """DeepSeek-V3's sequence-wise balance loss sum_e f_e P_e, averaged over sequences.
 
@@ -211,6 +217,7 @@ class MoEFeedForward(nn.Module):
     router_bias: Tensor  # [E] selection bias, fp32, persistent (checkpoints, refit)
     expert_load: Tensor  # [E] tokens per expert in the last training forward
     balance_loss: Tensor  # [] the last training forward's balance loss, detached
+    rerouted: Tensor  # [] fraction of its tokens whose experts the bias changed
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__()
@@ -225,6 +232,7 @@ class MoEFeedForward(nn.Module):
         # written in place by every training forward; not part of the state dict
         self.register_buffer("expert_load", torch.zeros(E), persistent=False)
         self.register_buffer("balance_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("rerouted", torch.zeros(()), persistent=False)
         self.reset_parameters(out_std=0.02 / math.sqrt(2 * (cfg.num_layers + cfg.mtp_depth)))
 
     def reset_parameters(self, *, out_std: float) -> None:
@@ -251,10 +259,15 @@ class MoEFeedForward(nn.Module):
             y_TD = y_TD + swiglu(xc_TD, shared.w_gate_up.to(dtype), shared.w_down.to(dtype))
         aux = sequence_balance_loss(scores_TE.view(B, T, -1), idx_TR.view(B, T, -1))
         if self.training:
-            with torch.no_grad():
-                self.expert_load.copy_(count_load(idx_TR, self.moe.num_experts))
-                self.balance_loss.copy_(aux)
+            self.record(scores_TE, idx_TR, aux)
         return y_TD.view(B, T, D), aux
+
+    @torch.no_grad()
+    def record(self, scores_TE: Tensor, idx_TR: Tensor, aux: Tensor) -> None:
+        """Overwrite (never accumulate) the statistics of the last training forward, in place."""
+        self.expert_load.copy_(count_load(idx_TR, self.moe.num_experts))
+        self.balance_loss.copy_(aux)
+        self.rerouted.copy_(rerouted_fraction(scores_TE, idx_TR))
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         out_BTD, aux = self.route_and_compute(x_BTD)
@@ -299,7 +312,8 @@ def update_router_bias(model: nn.Module) -> None:
 
 
 def expert_load_stats(model: nn.Module) -> dict[str, dict[str, float]]:
-    """Per MoE layer: max and mean tokens per expert, their ratio, the balance loss value."""
+    """Per MoE layer: max and mean tokens per expert, their ratio, the balance loss value and
+    the fraction of tokens the bias rerouted (no token is ever dropped)."""
     stats = {}
     for name, layer in moe_layers(model):
         load_E = layer.expert_load
@@ -309,5 +323,6 @@ def expert_load_stats(model: nn.Module) -> dict[str, dict[str, float]]:
             "mean_load": mean,
             "max_over_mean": float(load_E.max()) / mean if mean > 0 else 0.0,
             "balance_loss": float(layer.balance_loss),
+            "rerouted_fraction": float(layer.rerouted),
         }
     return stats
