@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.refit import fp8_kernel
+from birkhoff.engine import fp8_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128  # one fp32 scale per FP8_BLOCK x FP8_BLOCK block of a weight
