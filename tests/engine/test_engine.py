@@ -7,8 +7,8 @@ import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams, TensorSpec
-from birkhoff.model import Transformer
 from birkhoff.engine.layout import SourceError, engine_shapes, is_matmul_weight
+from birkhoff.model import Transformer
 
 PROMPTS = [[1, 2, 3], [4, 5]]
 

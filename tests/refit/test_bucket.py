@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from refit_helpers import pack_buckets, unpack_buckets
 
 from birkhoff.refit.bucket import ALIGN, Assembler, BucketEntry, place

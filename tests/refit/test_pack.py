@@ -183,7 +183,10 @@ def test_one_model_refits_engines_of_different_manifests() -> None:
 
 def test_two_engines_with_one_manifest_never_share_bucket_memory() -> None:
     model = make_model(CFG, seed=0)
-    first, second = make_engine(model, dtype=torch.bfloat16), make_engine(model, dtype=torch.bfloat16)
+    first, second = (
+        make_engine(model, dtype=torch.bfloat16),
+        make_engine(model, dtype=torch.bfloat16),
+    )
     for step in range(3):
         train_step(model, seed=step)
         refit(model, first, bucket_bytes=1 << 20)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from refit_helpers import PROMPTS, bit_equal, make_engine, make_model, run, tiny_config
 
-from birkhoff.refit import refit
 from birkhoff.engine.fp8 import FP8_DTYPE
+from birkhoff.refit import refit
 
 CFG = tiny_config()
 MODEL_A = make_model(CFG, seed=0)

@@ -1,4 +1,4 @@
-"""Inference engine: its own weight layout and fp8 format, static KV cache, sampling, MTP speculation."""
+"""Inference engine: its own weight layout and fp8 format, KV cache, sampling, MTP speculation."""
 
 from birkhoff.engine.decode import Completion
 from birkhoff.engine.engine import Engine

@@ -100,7 +100,8 @@ def engine_parts(cfg: ModelConfig) -> dict[str, Parts]:
         p = f"mtp.{k}."
         out += [_one(p + "hidden_norm.weight", D), _one(p + "embed_norm.weight", D),
                 _one(p + "proj.weight", D, 2 * D), *_block(p + "block.", cfg),
-                *_hyper(p + "contraction.", cfg, contraction=True), _one(p + "norm.weight", D)]  # fmt: skip
+                *_hyper(p + "contraction.", cfg, contraction=True),
+                _one(p + "norm.weight", D)]  # fmt: skip
     return dict(out)
 
 

@@ -157,8 +157,10 @@ class Assembler:
 
     def stage(self, bucket: Bucket) -> None:
         """Keep each whole tensor of `bucket` as its view; copy every chunk."""
-        views = bucket.views if bucket.views is not None else bucket_views(
-            bucket.buffer, bucket.entries
+        views = (
+            bucket.views
+            if bucket.views is not None
+            else bucket_views(bucket.buffer, bucket.entries)
         )
         tensors, specs, covered, ranges = self.tensors, self.specs, self.covered, self._ranges
         for entry, view in zip(bucket.entries, views, strict=True):

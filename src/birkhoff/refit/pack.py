@@ -91,7 +91,7 @@ def refit_layout(cfg: ModelConfig, specs: tuple[Spec, ...], bucket_bytes: int) -
     parts: list[tuple[str, tuple[int, ...]]] = []
     spans: dict[str, tuple[int, int]] = {}
     missing, mismatched = [], {}
-    for name, dtype, shape in specs:
+    for name, _, shape in specs:
         if name.endswith(SCALE_SUFFIX) and served.get(name.removesuffix(SCALE_SUFFIX)) == FP8_DTYPE:
             continue
         if name not in table:
@@ -121,7 +121,10 @@ def _plan_buckets(
     for index, entries in enumerate(placed):
         whole = {e.name: i for i, e in enumerate(entries) if e.chunk_offset == 0 and
                  e.nbytes == e.total_nbytes > 0}  # fmt: skip
-        copy_entries, copies, quantize, temporary = [], [], [], []
+        copy_entries: list[tuple[int, tuple[int, ...]]] = []
+        copies: list[int] = []
+        quantize: list[tuple[int, int, str]] = []
+        temporary: list[tuple[int, str, int]] = []
         for i, e in enumerate(entries):
             base = e.name.removesuffix(SCALE_SUFFIX)
             output = 1 if base != e.name and served.get(base) == FP8_DTYPE else 0
