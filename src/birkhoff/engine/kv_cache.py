@@ -38,7 +38,7 @@ class KVCache:
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.batch, self.capacity = batch, capacity
+        self.capacity = capacity
 
     @property
     def trash(self) -> int:
@@ -82,8 +82,7 @@ class StreamBuffer:
 
 
 class DrafterState:
-    """The MTP drafter's caches for `num_drafts` chained depths."""
+    """The MTP drafter's caches and stream buffers for J chained depths."""
 
     def __init__(self, cache: KVCache, streams: StreamBuffer) -> None:
         self.cache, self.streams = cache, streams
-        self.num_drafts = cache.k.shape[0]
