@@ -92,11 +92,11 @@ def attention(
 ) -> Tensor:  # fmt: skip
     A, T, _ = x_ATD.shape
     H, G, K = cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    qkv_ATX = linear(x_ATD, w, prefix + "attn.wqkv.weight")
-    q_ATX, k_ATX, v_ATX = qkv_ATX.split([H * K, G * K, G * K], dim=-1)
-    q_ATHK = apply_rope(q_ATX.view(A, T, H, K), chunk.cos_ATK, chunk.sin_ATK)
-    k_ATGK = apply_rope(k_ATX.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK)
-    cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v_ATX.view(A, T, G, K))
+    # the fused projection: [A,T,H*K | G*K | G*K]
+    q, k, v = linear(x_ATD, w, prefix + "attn.wqkv.weight").split([H * K, G * K, G * K], dim=-1)
+    q_ATHK = apply_rope(q.view(A, T, H, K), chunk.cos_ATK, chunk.sin_ATK)
+    k_ATGK = apply_rope(k.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK)
+    cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
     k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
     out_AHTK = F.scaled_dot_product_attention(
         q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
