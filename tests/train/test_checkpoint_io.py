@@ -163,6 +163,16 @@ def test_invalid_config_values(saved):
         load_checkpoint(saved)
 
 
+def test_config_with_the_former_recompute_keys_loads_as_the_same_model(saved):
+    # written while ModelConfig held the recompute policy (now TrainConfig.recompute / .reclaim)
+    cfg = json.loads((saved / CONFIG_FILE).read_text())
+    rewrite_config(saved, json.dumps(cfg | {"recompute": "full", "reclaim": "safe"}))
+    model = Transformer(model_cfg())
+    loaded = load_checkpoint(saved, model=model, optimizer=build_optimizer(model, TRAIN))
+    assert loaded.config == model_cfg() and loaded.step == 1
+    assert loaded.config == load_checkpoint(saved).model.cfg
+
+
 def test_config_mismatch_with_given_model(saved):
     other = Transformer(model_cfg(dim=64))
     with pytest.raises(CheckpointError, match="config"):

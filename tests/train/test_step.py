@@ -10,6 +10,7 @@ from birkhoff.rl.tasks import AdditionTask, build_supervised_batch, sample_probl
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, forward_context, lr_at, train_step
 from birkhoff.train.data import batch_for_step, step_rng
+from birkhoff.train.recompute import apply_recompute
 from birkhoff.train.step import answer_accuracy
 
 
@@ -131,8 +132,10 @@ def test_recompute_full_runs_under_tracking_with_identical_numbers():
     batch = addition_batch()
     results = {}
     for mode in ("none", "full"):
-        model = tiny_model(recompute=mode)
-        cfg = TrainConfig(lr=1e-3, warmup_steps=0)
+        cfg = TrainConfig(lr=1e-3, warmup_steps=0, recompute=mode)
+        model = tiny_model()
+        if mode == "full":
+            apply_recompute(model, reclaim=cfg.reclaim)
         opt = build_optimizer(model, cfg)
         tracked = []
 

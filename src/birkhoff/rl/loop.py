@@ -40,6 +40,7 @@ from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
 from birkhoff.train.data import batch_for_step, step_rng
 from birkhoff.train.optim import build_optimizer
+from birkhoff.train.recompute import build_model
 from birkhoff.train.step import LossFn, Metrics, train_step
 
 CHECKPOINT_DIR = "checkpoint"
@@ -87,7 +88,7 @@ class GRPORun:
         self.tokenizer = CharTokenizer()
         self.task: Task = get_task(preset.task, **preset.task_options)
         torch.manual_seed(preset.train.seed)
-        self.model = Transformer(preset.model).to(self.device)
+        self.model = build_model(preset.model, preset.train, device=self.device)
         self.optimizer = build_optimizer(self.model, preset.train)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps

@@ -228,9 +228,18 @@ def parse_json(file: Path, data: bytes) -> dict[str, Any]:
     return value
 
 
+# Checkpoints written while the recompute policy was part of ModelConfig carry these keys. They say
+# how a run trained (TrainConfig.recompute / .reclaim now), not what the model is, so they are
+# dropped on load and such a checkpoint loads as the same model.
+TRAINING_ONLY_KEYS = ("recompute", "reclaim")
+
+
 def parse_config(file: Path, data: bytes) -> ModelConfig:
+    fields = parse_json(file, data)
+    for key in TRAINING_ONLY_KEYS:
+        fields.pop(key, None)
     try:
-        return ModelConfig.from_dict(parse_json(file, data))
+        return ModelConfig.from_dict(fields)
     except CheckpointError:
         raise
     except (ValueError, TypeError) as err:

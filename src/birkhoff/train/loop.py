@@ -30,6 +30,7 @@ from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import save_checkpoint
 from birkhoff.train.data import batch_for_step, step_rng
 from birkhoff.train.optim import build_optimizer
+from birkhoff.train.recompute import build_model
 from birkhoff.train.step import answer_accuracy, train_step
 
 EVAL_SEED_OFFSET = 1_000_003  # eval problems come from a seed stream training never uses
@@ -74,7 +75,7 @@ def run_training(
     cfg = preset.train
     tokenizer, task = CharTokenizer(), get_task(preset.task, **preset.task_options)
     torch.manual_seed(cfg.seed)
-    model = Transformer(preset.model).to(device)
+    model = build_model(preset.model, cfg, device=device)
     optimizer = build_optimizer(model, cfg)
     eval_before = evaluate(model, task, tokenizer, seed=cfg.seed, num_problems=256)
     history: list[dict[str, float]] = []
