@@ -1,10 +1,16 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
+Subcommands: `run`, `train`, `generate`.
+- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop;
+- `train`: supervised training only;
+- `generate`: complete prompts with a checkpoint.
+Benchmarks are scripts in benchmarks/, not subcommands.
+
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
-`run_<name>(args) -> int` in `SUBCOMMANDS`, so `run`, `generate` and `bench` are added by adding
-one entry. User errors (unknown preset, unwritable output directory, bad override) print one
-clear line to stderr and exit with code 2 before anything is written; argparse's own errors use
-code 2 as well.
+`run_<name>(args) -> int` in `SUBCOMMANDS`, so a new job is one more entry. User errors (unknown
+preset, unwritable output directory, bad override) print one clear line to stderr and exit with
+code 2 before anything is written; argparse's own errors use code 2 as well. Progress goes to
+stdout: a bar on a terminal, a plain line every few steps otherwise (birkhoff.train.progress).
 """
 
 from __future__ import annotations
@@ -204,7 +210,7 @@ def run_run(args: argparse.Namespace) -> int:
     import torch
 
     from birkhoff.rl.loop import GRPORun
-    from birkhoff.rl.metrics import plot_run
+    from birkhoff.train.metrics import plot_run
 
     threads = args.threads or preset.num_threads
     if device == "cpu" and threads:

@@ -5,7 +5,7 @@ import torch
 
 from birkhoff.engine.decode import Completion
 from birkhoff.rl.rollout import Rollout, StaleRolloutError, build_rl_batch, check_staleness
-from birkhoff.rl.tasks import Problem
+from birkhoff.tasks.problems import Problem
 
 
 def test_build_rl_batch_aligns_completion_tokens_and_logprobs() -> None:

@@ -6,7 +6,8 @@ import torch
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.rl.tasks import AdditionTask
+from birkhoff.tasks.batches import batch_for_step
+from birkhoff.tasks.problems import AdditionTask
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, train_step
 from birkhoff.train.checkpoint import (
@@ -18,7 +19,6 @@ from birkhoff.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from birkhoff.train.data import batch_for_step
 
 TRAIN = TrainConfig(lr=1e-3, warmup_steps=0)
 

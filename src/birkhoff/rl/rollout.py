@@ -22,7 +22,8 @@ from torch import Tensor
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Completion
 from birkhoff.rl.config import RLConfig
-from birkhoff.rl.tasks import Problem, Task, prompt_ids
+from birkhoff.tasks.batches import prompt_ids
+from birkhoff.tasks.problems import Problem, Task
 from birkhoff.tokenizer import CharTokenizer
 
 

@@ -58,8 +58,8 @@ class TrainConfig:
         check(isinstance(self.seed, int), "seed", self.seed, "must be an int")
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
         check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
-        r = self.reclaim
-        check(r in ("safe", "always", "never"), "reclaim", r, "safe | always | never")
+        rc = self.reclaim
+        check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -8,9 +8,10 @@ enters it when `TrainConfig.recompute == "full"`.
 
 Design choices:
 - The wrapper replaces the unit's `forward` on the instance with a bound method that checkpoints
-  the class's own `forward`. Nothing is re-parented, so every parameter name and state_dict key
-  stays what the model defines (checkpoints and refit look tensors up by name), and `copy.deepcopy`
-  rebinds the method to the copy (a frozen reference copy runs its own weights).
+  the class's own `forward`. Nothing is re-parented and the class stays the same, so every
+  parameter name and state_dict key stays what the model defines (checkpoints and refit look
+  tensors up by name), and `copy.deepcopy` rebinds the method to the copy (a frozen reference
+  copy runs its own weights).
 - Module hooks of the unit run outside the checkpoint, once; its submodules' hooks run in forward
   and again in the rerun.
 - `apply_checkpoint` takes any checkpoint function with the signature
@@ -32,7 +33,7 @@ from torch import nn
 from birkhoff.config import ModelConfig
 from birkhoff.model.transformer import Transformer
 from birkhoff.recompute import RECLAIM_MODES, checkpoint
-from birkhoff.train.config import TrainConfig
+from birkhoff.train.config import ReclaimMode, TrainConfig
 
 CheckpointFn = Callable[..., Any]  # checkpoint_fn(fn, *args, name=...) -> what fn returns
 
@@ -43,9 +44,11 @@ def recompute_units(model: Transformer) -> list[tuple[str, nn.Module]]:
     return blocks + [(f"mtp.{k}", depth) for k, depth in enumerate(model.mtp_depths)]
 
 
-def _checkpointed_forward(self: nn.Module, *args: Any) -> Any:
-    forward = type(self).forward.__get__(self)  # the class's forward, bound to this module
-    return self.checkpoint_fn(forward, *args, name=self.checkpoint_name)
+def _checkpointed_forward(
+    module: nn.Module, *args: Any, checkpoint_fn: CheckpointFn, name: str
+) -> Any:
+    forward = functools.partial(type(module).forward, module)  # the class's own forward
+    return checkpoint_fn(forward, *args, name=name)
 
 
 def apply_checkpoint(model: Transformer, checkpoint_fn: CheckpointFn) -> Transformer:
@@ -53,12 +56,12 @@ def apply_checkpoint(model: Transformer, checkpoint_fn: CheckpointFn) -> Transfo
     for name, unit in recompute_units(model):
         if "forward" in vars(unit):
             raise ValueError(f"{name}: recompute is already applied to this model")
-        unit.checkpoint_fn, unit.checkpoint_name = checkpoint_fn, name
-        unit.forward = types.MethodType(_checkpointed_forward, unit)  # type: ignore[method-assign]
+        run = functools.partial(_checkpointed_forward, checkpoint_fn=checkpoint_fn, name=name)
+        unit.forward = types.MethodType(run, unit)  # type: ignore[method-assign]
     return model
 
 
-def apply_recompute(model: Transformer, *, reclaim: str = "safe") -> Transformer:
+def apply_recompute(model: Transformer, *, reclaim: ReclaimMode = "safe") -> Transformer:
     """Every unit under `birkhoff.recompute.checkpoint(..., reclaim=reclaim)`; returns `model`."""
     if reclaim not in RECLAIM_MODES:
         raise ValueError(f"reclaim={reclaim!r} is invalid: expected one of {RECLAIM_MODES}")
