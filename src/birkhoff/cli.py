@@ -70,7 +70,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
+    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small | h200-grpo")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")

@@ -58,7 +58,6 @@ class LoadedCheckpoint(NamedTuple):
     config: ModelConfig
     step: int
     extra: dict[str, Any]
-    rng_state: dict[str, Any]
 
 
 # ---------------------------------------------------------------------------- file primitives
@@ -297,4 +296,4 @@ def load_checkpoint(
     rng_state = load_torch(path / RNG_FILE, read_verified(path, manifest, RNG_FILE))
     if restore_rng:
         restore_rng_state(rng_state)
-    return LoadedCheckpoint(model, cfg, int(meta["step"]), dict(meta.get("extra", {})), rng_state)
+    return LoadedCheckpoint(model, cfg, int(meta["step"]), dict(meta.get("extra", {})))
