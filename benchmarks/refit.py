@@ -28,7 +28,7 @@ from typing import Any
 
 import common
 import torch
-from common import add_size_args, apply_sizes
+from common import add_size_args, apply_sizes, json_args
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     suffix = "-quick" if args.quick else ""
     out = args.out or RESULTS / f"refit-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result["args"] = json_args(args)
     out.write_text(json.dumps(result, indent=2, sort_keys=True))
     print(f"wrote {out}")
     return 0

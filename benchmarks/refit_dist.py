@@ -97,7 +97,7 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio_to_nccl_broadcast": nbytes[name] / s / ceiling}
              for name, s in rows.items()}  # fmt: skip
     return {"devices": [torch.cuda.get_device_name(i) for i in range(2)], "params": params,
-            "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": table}  # fmt: skip
+            "args": common.json_args(args), "rows": table}  # fmt: skip
 
 
 def engine_rank(args: argparse.Namespace) -> None:

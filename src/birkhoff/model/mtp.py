@@ -85,6 +85,10 @@ class MTPDepth(nn.Module):
             eps=self.hidden_norm.eps, project=self.proj,
         )  # fmt: skip
 
+    def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """h_k = Block_k(h'_k): the merge, then the depth's mHC block, as one recompute unit."""
+        return self.block(self.merge(h_BTSD, emb_BTD), rope)
+
     def head_input(self, h_BTSD: Tensor) -> Tensor:
         """Own contraction + norm: the input of the shared lm_head, [B,T,D]."""
         return self.norm(self.contraction(h_BTSD))
