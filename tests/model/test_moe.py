@@ -23,6 +23,8 @@ from birkhoff.model.moe import (
     update_router_bias,
 )
 from birkhoff.recompute import census, checkpoint, sanitize, track_saved_storages
+from birkhoff.train.config import ReclaimMode
+from birkhoff.train.recompute import apply_recompute
 
 MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=16)
 CFG = ModelConfig(
@@ -214,9 +216,14 @@ def test_moe_layer_on_cuda_under_bf16_autocast_takes_the_grouped_path() -> None:
 # ---- recompute, reclaim and the census
 
 
-def train_loss_and_grads(cfg: ModelConfig) -> tuple[Tensor, dict[str, Tensor], dict]:
+def train_loss_and_grads(
+    cfg: ModelConfig, reclaim: ReclaimMode | None = None
+) -> tuple[Tensor, dict[str, Tensor], dict]:
+    """One fp64 forward/backward; `reclaim` set: every block and MTP depth under full recompute."""
     torch.manual_seed(0)
     model = Transformer(cfg).double()
+    if reclaim is not None:
+        apply_recompute(model, reclaim=reclaim)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with track_saved_storages():
         out = model(ids, labels=ids)
@@ -240,7 +247,7 @@ def test_moe_under_safe_recompute_is_identical_and_leaks_nothing(
     cfg = CFG.replace(moe=moe, mtp_depth=1)
     ref_loss, ref_grads, ref_info = train_loss_and_grads(cfg)
     with sanitize():
-        loss, grads, info = train_loss_and_grads(cfg.replace(recompute="full", reclaim="safe"))
+        loss, grads, info = train_loss_and_grads(cfg, reclaim="safe")
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and any("experts" in n for n in grads)
     for name, g in ref_grads.items():
@@ -304,8 +311,8 @@ def test_the_historic_leak_reproduced_and_what_census_and_safe_reclaim_do(reclai
 
 def test_transformer_with_moe_trains() -> None:
     torch.manual_seed(0)
-    cfg = CFG.replace(mtp_depth=1, recompute="full", reclaim="safe")
-    model = Transformer(cfg)
+    cfg = CFG.replace(mtp_depth=1)
+    model = apply_recompute(Transformer(cfg), reclaim="safe")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(2))
     losses = []
