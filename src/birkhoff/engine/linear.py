@@ -3,21 +3,28 @@
 Every projection reads its weight from the engine's weight dict by name, so replacing the dict
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
 fp8 and is dequantized to the activation dtype first. Left out (v1): torch._scaled_mm on GPU and
-caching the dequantized weights between calls.
+caching the dequantized weights between calls. `weight` is the same lookup for callers that
+do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
-def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
-    """x @ W^T with W = weights[name] (dequantized if it has a block scale)."""
+def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
+    """weights[name], dequantized to `dtype` if it has a block scale (as is otherwise)."""
     w = weights[name]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is not None:
-        w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype)
-    return F.linear(x, w)
+        w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=dtype)
+    return w
+
+
+def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
+    """x @ W^T with W = weights[name] (dequantized if it has a block scale)."""
+    return F.linear(x, weight(weights, name, x.dtype))

@@ -193,6 +193,25 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def moe_ffn(
+    x_TD: Tensor, router_weight_ED: Tensor, router_bias_E: Tensor, w_gate_up_E2FD: Tensor,
+    w_down_EDF: Tensor, shared: tuple[Tensor, Tensor] | None, *, moe: MoEConfig,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(output [T,D], scores [T,E], expert ids [T,R]) of one MoE feed-forward.
+
+    The one routing + expert computation of the trainer and the engine: routing in >= fp32 from
+    `x_TD`, experts (and `shared` = (w_gate_up, w_down), if any) in the dtype of the expert weights.
+    """
+    scores_TE = router_scores(x_TD, router_weight_ED)
+    idx_TR, gates_TR = select_experts(scores_TE, router_bias_E, moe.experts_per_token)
+    xc_TD = x_TD.to(w_gate_up_E2FD.dtype)
+    expert_fn = pick_expert_fn(xc_TD, w_gate_up_E2FD, w_down_EDF)
+    y_TD = expert_fn(xc_TD, idx_TR, gates_TR * moe.route_scale, w_gate_up_E2FD, w_down_EDF)
+    if shared is not None:
+        y_TD = y_TD + swiglu(xc_TD, *shared)
+    return y_TD, scores_TE, idx_TR
+
+
 class StackedExperts(nn.Module):
     """E SwiGLU experts as two stacked tensors (engine layout, see the module docstring)."""
 
@@ -246,17 +265,14 @@ class MoEFeedForward(nn.Module):
     def route_and_compute(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """(output [B,T,D], balance loss with its graph); also records the load when training."""
         B, T, D = x_BTD.shape
-        x_TD = x_BTD.reshape(B * T, D)
-        scores_TE = router_scores(x_TD, self.router.weight)
-        idx_TR, gates_TR = select_experts(scores_TE, self.router_bias, self.moe.experts_per_token)
-        dtype = _matmul_dtype(x_TD)
-        xc_TD = x_TD.to(dtype)
-        w_gate_up, w_down = self.experts.w_gate_up.to(dtype), self.experts.w_down.to(dtype)
-        expert_fn = pick_expert_fn(xc_TD, w_gate_up, w_down)
-        y_TD = expert_fn(xc_TD, idx_TR, gates_TR * self.moe.route_scale, w_gate_up, w_down)
+        dtype = _matmul_dtype(x_BTD)
+        shared = None
         if self.shared is not None:
-            shared = self.shared
-            y_TD = y_TD + swiglu(xc_TD, shared.w_gate_up.to(dtype), shared.w_down.to(dtype))
+            shared = (self.shared.w_gate_up.to(dtype), self.shared.w_down.to(dtype))
+        y_TD, scores_TE, idx_TR = moe_ffn(
+            x_BTD.reshape(B * T, D), self.router.weight, self.router_bias,
+            self.experts.w_gate_up.to(dtype), self.experts.w_down.to(dtype), shared, moe=self.moe,
+        )  # fmt: skip
         aux = sequence_balance_loss(scores_TE.view(B, T, -1), idx_TR.view(B, T, -1))
         if self.training:
             self.record(scores_TE, idx_TR, aux)
