@@ -327,6 +327,27 @@ def update_router_bias(model: nn.Module) -> None:
         )
 
 
+@torch.no_grad()
+def load_metrics(model: nn.Module) -> dict[str, float]:
+    """The last training forward's load over all MoE layers, as flat metrics (none without MoE):
+    moe_max_load (most tokens any expert of any layer got), moe_mean_load (tokens per expert),
+    moe_max_over_mean (worst layer), moe_rerouted_fraction and moe_balance_loss (layer means).
+    One host sync. No token is ever dropped (no capacity limit), so there is no dropped count."""
+    layers = [layer for _, layer in moe_layers(model)]
+    if not layers:
+        return {}
+    max_L = torch.stack([layer.expert_load.max() for layer in layers]).float()
+    mean_L = torch.stack([layer.expert_load.mean() for layer in layers]).float()
+    rerouted_L = torch.stack([layer.rerouted for layer in layers]).float()
+    balance_L = torch.stack([layer.balance_loss for layer in layers]).float()
+    ratio_L = max_L / mean_L.clamp(min=1e-12)
+    figures = torch.stack([max_L.max(), mean_L.mean(), ratio_L.max(), rerouted_L.mean(),
+                           balance_L.mean()]).tolist()  # fmt: skip
+    keys = ("moe_max_load", "moe_mean_load", "moe_max_over_mean", "moe_rerouted_fraction",
+            "moe_balance_loss")  # fmt: skip
+    return dict(zip(keys, figures, strict=True))
+
+
 def expert_load_stats(model: nn.Module) -> dict[str, dict[str, float]]:
     """Per MoE layer: max and mean tokens per expert, their ratio, the balance loss value and
     the fraction of tokens the bias rerouted (no token is ever dropped)."""

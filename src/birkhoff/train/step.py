@@ -14,6 +14,10 @@ Design choices:
   synchronises once.
 - The learning rate comes from `lr_at(step, cfg)`, a pure function of the step, so resuming at
   step k reproduces the same schedule.
+- MoE models: after an applied optimizer step the router biases move toward balanced load
+  (`update_router_bias`, from the load this step's forward observed), and the step's metrics
+  carry that load (`load_metrics`: moe_max_load, moe_mean_load, moe_max_over_mean,
+  moe_rerouted_fraction, moe_balance_loss). Both are no-ops for a dense model.
 - A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
   changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
 Left out: gradient accumulation, loss scaling (bf16 needs none), distributed data parallel.
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from birkhoff.model.moe import load_metrics, update_router_bias
 from birkhoff.model.mtp import shift_targets
 from birkhoff.recompute import track_saved_storages
 from birkhoff.train.config import TrainConfig
@@ -114,10 +119,13 @@ def train_step(
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     applied = bool(torch.isfinite(grad_norm))
+    load = load_metrics(model)  # before the bias moves: what this step's forward routed
     if applied:
         optimizer.step()
+        update_router_bias(model)
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": float(loss.detach())}
     result.update({name: float(value) for name, value in metrics.items()})
+    result.update(load)
     result.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if applied else 1.0)
     return result
