@@ -11,10 +11,17 @@ Peak memory: on CPU the peak of live tensor bytes allocated during the step (a d
 that re-reads storage sizes after every op); on CUDA `torch.cuda.max_memory_allocated` minus the
 bytes allocated before the step (parameters, gradients-free, optimizer state), bf16 autocast.
 Ratios are reported against "never" and "torch_checkpoint" measured in the same run.
+After-step memory: the bytes still allocated after the step beyond the parameters' gradients
+(activations something kept alive); 0 when nothing leaks.
+With --moe every variant runs on an MoE model (MoE feed-forwards in every layer but the first and
+in the MTP depth: --experts experts, top-2 plus one shared expert of a third of the dense width,
+so the active width equals the dense model's) and again on the dense model of the same shape:
+the MoE model's after-step bytes must equal the dense model's (both 0).
 
   python benchmarks/recompute_memory.py --device cpu --quick
   python benchmarks/recompute_memory.py --device cpu
   python benchmarks/recompute_memory.py --device cuda          # ~120M params, S=4, M=1, T=2048
+  python benchmarks/recompute_memory.py --device cuda --moe    # the same trunk with MoE layers
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
       python benchmarks/recompute_memory.py --device cuda --sanitizer-case always   # or safe
 """
@@ -29,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +44,27 @@ import torch
 from common import add_size_args, apply_sizes, sync
 from torch import Tensor
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import ModelConfig, MoEConfig
 from birkhoff.model import Transformer
 from birkhoff.recompute import PeakLiveBytes, track_saved_storages
+from birkhoff.recompute.registry import storage_key
 from birkhoff.train.recompute import apply_checkpoint, apply_recompute
 
 VARIANTS = ("none", "torch_checkpoint", "never", "safe")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
+def model_config(args: argparse.Namespace, *, moe: bool = False) -> ModelConfig:
+    cfg = ModelConfig(
         vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
         num_streams=args.streams, mtp_depth=args.mtp, max_seq_len=args.seq,
     )  # fmt: skip
+    if not moe:
+        return cfg
+    # top-2 + 1 shared expert, each a third of the dense width: the same active parameters
+    hidden = cfg.ffn_dim // 3
+    return cfg.replace(moe=MoEConfig(num_experts=args.experts, experts_per_token=2,
+                                     expert_hidden=hidden))  # fmt: skip
 
 
 def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
@@ -59,9 +73,11 @@ def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> T
     return out
 
 
-def build(args: argparse.Namespace, variant: str) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(
+    args: argparse.Namespace, variant: str, *, moe: bool = False
+) -> tuple[Transformer, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Transformer(model_config(args)).to(args.device)
+    model = Transformer(model_config(args, moe=moe)).to(args.device)
     if variant == "torch_checkpoint":
         apply_checkpoint(model, torch_checkpointed)
     elif variant in ("never", "safe", "always"):
@@ -84,8 +100,9 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, vari
 
 
 @contextlib.contextmanager
-def peak_meter(device: str) -> Iterator[dict[str, int]]:
-    """Yields a dict filled with peak bytes (and the bytes live before) for the enclosed code."""
+def peak_meter(device: str, exclude: Collection[int] = ()) -> Iterator[dict[str, int]]:
+    """Yields a dict filled with peak bytes, the bytes live before and the bytes the enclosed
+    code left allocated ("after"; on CPU less the storages keyed in `exclude`)."""
     result: dict[str, int] = {}
     if device == "cuda":
         sync(device)
@@ -94,18 +111,29 @@ def peak_meter(device: str) -> Iterator[dict[str, int]]:
         yield result
         sync(device)
         result["before"], result["peak"] = base, torch.cuda.max_memory_allocated() - base
+        result["after"] = torch.cuda.memory_allocated() - base  # parameters and state are in base
         return
     with PeakLiveBytes() as tracker:
         yield result
     result["before"], result["peak"] = 0, tracker.peak_bytes
+    result["after"] = tracker.live_bytes(exclude=exclude)
 
 
-def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, Any]:
-    model, opt = build(args, variant)
+def owned_tensors(model: Transformer, opt: torch.optim.Optimizer) -> list[Tensor]:
+    """Parameters, buffers and optimizer state: what outlives a step by design."""
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, Tensor)]
+    return [*model.parameters(), *model.buffers(), *state]
+
+
+def measure(args: argparse.Namespace, variant: str, ids: Tensor, *, moe: bool) -> dict[str, Any]:
+    model, opt = build(args, variant, moe=moe)
     try:
         train_step(model, opt, ids, variant)  # warm-up: optimizer state, allocator pools
-        with peak_meter(args.device) as mem:
+        owned = {storage_key(t) for t in owned_tensors(model, opt)}
+        with peak_meter(args.device, {k for k in owned if k is not None}) as mem:
             train_step(model, opt, ids, variant)
+        grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        after = mem["after"] - grads  # what the step left allocated beyond the gradients
         times = []
         for _ in range(args.repeats):
             sync(args.device)
@@ -119,7 +147,8 @@ def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, An
         del model, opt
         release_memory(args.device)
     return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
-            "step_ms": 1e3 * statistics.median(times), "num_timed_steps": len(times)}  # fmt: skip
+            "after_step_bytes": after, "step_ms": 1e3 * statistics.median(times),
+            "num_timed_steps": len(times)}  # fmt: skip
 
 
 def release_memory(device: str) -> None:
@@ -142,12 +171,19 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
         out["safe_peak_over_torch_checkpoint"] = ok["safe"]["peak_bytes"] / torch_peak
     if "safe" in ok and "none" in ok:
         out["safe_peak_over_no_recompute"] = ok["safe"]["peak_bytes"] / ok["none"]["peak_bytes"]
+    for variant in VARIANTS:  # --moe: after-step bytes of the MoE model minus the dense model's
+        if variant in ok and f"dense_{variant}" in ok:
+            dense_after = ok[f"dense_{variant}"]["after_step_bytes"]
+            out[f"{variant}_moe_after_step_minus_dense"] = (
+                ok[variant]["after_step_bytes"] - dense_after
+            )
     return out
 
 
 def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
     ref = rows.get("never", {})
-    print(f"\n{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'step ms':>10}{'vs never':>10}")
+    head = f"{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'step ms':>10}{'vs never':>10}"
+    print(f"\n{head}{'after-step MiB':>16}")
     for name, row in rows.items():
         if row["status"] != "ok":
             print(f"{name:<18}{row['status']}")
@@ -155,7 +191,9 @@ def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
         peak, ms = row["peak_bytes"], row["step_ms"]
         rel_peak = peak / ref["peak_bytes"] if ref.get("status") == "ok" else float("nan")
         rel_ms = ms / ref["step_ms"] if ref.get("status") == "ok" else float("nan")
-        print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{ms:>10.1f}{rel_ms:>10.3f}")
+        after = row["after_step_bytes"] / 2**20
+        line = f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{ms:>10.1f}{rel_ms:>10.3f}"
+        print(f"{line}{after:>16.3f}")
     cuda_what = "torch.cuda.max_memory_allocated above the bytes allocated before the step"
     cpu_what = "peak live bytes of tensors allocated during the step"
     print(f"(peak: {cuda_what if device == 'cuda' else cpu_what})")
@@ -187,6 +225,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int)
     p.add_argument("--with-always", action="store_true", help="also run reclaim='always' last")
     p.add_argument("--sanitizer-case", choices=("always", "safe"))
+    p.add_argument("--moe", action="store_true", help="MoE model, next to the dense one")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (--moe)")
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=768, layers=12, heads=12, vocab=16384, seq=2048, batch=4, repeats=10),
@@ -205,16 +245,23 @@ def main(argv: list[str] | None = None) -> int:
         return run_sanitizer_case(args)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    num_params = sum(p.numel() for p in Transformer(model_config(args)).parameters())
+    with torch.device("meta"):
+        num_params = sum(
+            p.numel() for p in Transformer(model_config(args, moe=args.moe)).parameters()
+        )
     shape = f"dim={args.dim} layers={args.layers} S={args.streams} M={args.mtp}"
+    shape += f" MoE {args.experts} experts top-2 + 1 shared" if args.moe else ""
     print(
         f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"
     )
     variants = VARIANTS + (("always",) if args.with_always else ())
     rows = {}
     for variant in variants:
-        rows[variant] = measure(args, variant, ids)
+        rows[variant] = measure(args, variant, ids, moe=args.moe)
         print(f"  {variant}: {rows[variant]}")
+    for variant in VARIANTS if args.moe else ():  # the dense model of the same shape
+        rows[f"dense_{variant}"] = measure(args, variant, ids, moe=False)
+        print(f"  dense_{variant}: {rows[f'dense_{variant}']}")
     print_table(rows, args.device)
     summary = ratios(rows)
     for key, value in summary.items():
@@ -224,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "variants": rows, "ratios": summary}  # fmt: skip
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    out = (
-        args.out or RESULTS / f"recompute_memory-{args.device}{'-quick' if args.quick else ''}.json"
-    )
+    tags = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
+    out = args.out or RESULTS / f"recompute_memory-{args.device}{tags}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
