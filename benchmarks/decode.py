@@ -15,8 +15,15 @@ Bandwidth is the copy bandwidth measured in this run (read + write of a large bu
 CUDA, also the H200's nominal 4.8 TB/s HBM. Batch-1 decode of a model this small is bound by
 kernel launches, not bandwidth; the bound says how far that is from the memory limit.
 
+With --moe the model has MoE feed-forwards (every layer but the first and the MTP depth;
+`common.same_active_moe`: one shared + top-3 of --experts routed experts, the dense model's
+active width), served as stacked experts through the grouped GEMMs on CUDA. Its bound counts the
+expert bytes a step is expected to touch: of E experts, E * (1 - (1 - k/E)^batch) under uniform
+routing (top-k per token), so batch 1 reads 3 experts per layer and batch 64 nearly all.
+
     python benchmarks/decode.py --device cpu --quick
     python benchmarks/decode.py --device cuda            # bf16, batch 1 and 32, k = 0..3
+    python benchmarks/decode.py --device cuda --moe --batches 1,64   # the MoE engine
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import json_args, sync
+from common import json_args, same_active_moe, sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine, SamplingParams
@@ -79,10 +86,15 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 28) -> float:
 
 
 def bytes_per_step(engine: Engine, batch: int, context: float) -> float:
-    main = sum(
-        t.numel() * t.element_size() for n, t in engine.weights.items() if not n.startswith("mtp.")
-    )
     cfg = engine.cfg
+    touched = 1.0  # fraction of routed experts one step reads (uniform routing)
+    if cfg.moe is not None:
+        touched = 1 - (1 - cfg.moe.experts_per_token / cfg.moe.num_experts) ** batch
+    main = sum(
+        t.numel() * t.element_size() * (touched if ".experts." in n else 1.0)
+        for n, t in engine.weights.items()
+        if not n.startswith("mtp.")
+    )
     kv = 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim * engine.dtype.itemsize * batch * context
     return main + kv
 
@@ -136,6 +148,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ks", default="0,1,2,3", help="speculative tokens; 0 = plain (the baseline)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few tokens")
+    ap.add_argument("--moe", action="store_true", help="MoE feed-forwards (common.same_active_moe)")
+    ap.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.heads, args.train_steps, args.new_tokens = 64, 2, 4, 150, 32
@@ -159,6 +173,8 @@ def main() -> None:
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers,
                       num_heads=args.heads, num_streams=args.streams, mtp_depth=args.mtp_depth,
                       max_seq_len=max(64, args.prompt_len + args.new_tokens + 8))  # fmt: skip
+    if args.moe:
+        cfg = same_active_moe(cfg, args.experts)
     model = train(cfg, args.train_steps, device)
     ks = sorted({0, *(int(k) for k in args.ks.split(","))})  # plain always runs: the baseline
     batches = [int(b) for b in args.batches.split(",")]
@@ -180,7 +196,9 @@ def main() -> None:
                 row["bound_tokens_per_s_hbm"] = batch * HBM_BYTES_PER_S / step_bytes
             rows.append(row)
     print_table(rows, device, bandwidth)
-    out = Path(__file__).parent / "results" / f"decode-{device.type}.json"
+    out = (
+        Path(__file__).parent / "results" / f"decode-{device.type}{'-moe' if args.moe else ''}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
               "model": json.loads(cfg.to_json()), "args": json_args(args),

@@ -13,10 +13,10 @@ bytes allocated before the step (parameters, gradients-free, optimizer state), b
 Ratios are reported against "never" and "torch_checkpoint" measured in the same run.
 After-step memory: the bytes still allocated after the step beyond the parameters' gradients
 (activations something kept alive); 0 when nothing leaks.
-With --moe every variant runs on an MoE model (MoE feed-forwards in every layer but the first and
-in the MTP depth: --experts experts, top-2 plus one shared expert of a third of the dense width,
-so the active width equals the dense model's) and again on the dense model of the same shape:
-the MoE model's after-step bytes must equal the dense model's (both 0).
+With --moe every variant runs on an MoE model (MoE feed-forwards in every layer but the first
+and in the MTP depth: --experts experts, top-3 plus one shared expert of a quarter of the dense
+width, so the active width equals the dense model's; common.same_active_moe) and again on the
+dense model of the same shape: the MoE model's after-step bytes must equal the dense model's.
 
   python benchmarks/recompute_memory.py --device cpu --quick
   python benchmarks/recompute_memory.py --device cpu
@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_size_args, apply_sizes, sync
+from common import add_size_args, apply_sizes, same_active_moe, sync
 from torch import Tensor
 
-from birkhoff.config import ModelConfig, MoEConfig
+from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
 from birkhoff.recompute import PeakLiveBytes, track_saved_storages
 from birkhoff.recompute.registry import storage_key
@@ -59,12 +59,7 @@ def model_config(args: argparse.Namespace, *, moe: bool = False) -> ModelConfig:
         vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
         num_streams=args.streams, mtp_depth=args.mtp, max_seq_len=args.seq,
     )  # fmt: skip
-    if not moe:
-        return cfg
-    # top-2 + 1 shared expert, each a third of the dense width: the same active parameters
-    hidden = cfg.ffn_dim // 3
-    return cfg.replace(moe=MoEConfig(num_experts=args.experts, experts_per_token=2,
-                                     expert_hidden=hidden))  # fmt: skip
+    return same_active_moe(cfg, args.experts) if moe else cfg
 
 
 def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
@@ -250,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             p.numel() for p in Transformer(model_config(args, moe=args.moe)).parameters()
         )
     shape = f"dim={args.dim} layers={args.layers} S={args.streams} M={args.mtp}"
-    shape += f" MoE {args.experts} experts top-2 + 1 shared" if args.moe else ""
+    shape += f" MoE {args.experts} experts top-3 + 1 shared" if args.moe else ""
     print(
         f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"
     )
