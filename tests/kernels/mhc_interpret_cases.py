@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from mhc_cases import CASES, Case, case_id, check_contraction, check_hyper
+from mhc_model_cases import check_engine_greedy, check_safe_reclaim, check_train_step
 
 from birkhoff.model import hyper
 
@@ -34,7 +35,7 @@ def _op_args(S: int = 4, D: int = 5, N: int = 3) -> dict[str, tuple]:
     pre, post = torch.rand(N, S, generator=g), torch.rand(N, S, generator=g)
     res = torch.rand(N, S, S, generator=g)
     return {
-        "mhc_coefficients": (x, raw, alpha, bias, S, 2, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x.view(N, S, D), raw, alpha, bias, 2, True, 1e-6, 1e-6),
         "mhc_mix_in": (x.view(N, S, D), pre),
         "mhc_mix_out": (x.view(N, S, D), f, post, res),
     }
@@ -78,3 +79,15 @@ def _hyper_inputs(case: Case) -> dict[str, torch.Tensor]:
 
     inp = make_inputs(case, "cpu", torch.float32)
     return {k: inp[k] for k in ("x", "phi", "alpha", "bias")}
+
+
+def test_train_step_fused_matches_eager() -> None:
+    check_train_step("cpu", autocast=False, loss_tol=1e-6, grad_tol=1e-4)
+
+
+def test_engine_greedy_tokens_fused_equal_eager() -> None:
+    check_engine_greedy("cpu")
+
+
+def test_checkpointed_blocks_rerun_fused_kernels_under_safe_reclaim() -> None:
+    check_safe_reclaim("cpu")

@@ -1,6 +1,7 @@
 """Fused mHC ops: torch custom ops around the Triton kernels, with autograd and fake impls.
 
-Legend: B batch, T tokens, N = B*T, S streams, D model dim, C = S*D, P coefficient logits.
+Legend: B batch, T tokens (any leading shape works), S streams, D model dim, C = S*D,
+P coefficient logits.
 
 Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments, same outputs):
 `mhc_coefficients`, `contraction_weights`, `mix_in`, `mix_out`. Each is a
@@ -62,81 +63,86 @@ def _coeff_blocks(S: int, C: int) -> tuple[int, int, int]:
 
 @torch.library.custom_op("birkhoff::mhc_coefficients", mutates_args=())
 def _coefficients_op(
-    x_NC: Tensor, raw_NP: Tensor, alpha: Tensor, bias_P: Tensor,
-    S: int, iters: int, with_res: bool, norm_eps: float, eps: float,
+    x_BTSD: Tensor, raw_BTP: Tensor, alpha: Tensor, bias_P: Tensor,
+    iters: int, with_res: bool, norm_eps: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    N, C = x_NC.shape
-    f32 = dict(dtype=torch.float32, device=x_NC.device)
-    pre_NS, rstd_N = torch.empty((N, S), **f32), torch.empty((N,), **f32)
-    post_NS = torch.empty((N, S) if with_res else (0,), **f32)
-    res_NSS = torch.empty((N, S, S) if with_res else (0,), **f32)
+    pre, post, res, rstd = _coefficients_fake(x_BTSD, with_res)
+    S, D = x_BTSD.shape[-2:]
+    N, C = rstd.numel(), S * D
     SP, BN, BC = _coeff_blocks(S, C)
     if N:
         K.coeff_fwd[(_cdiv(N, BN),)](
-            x_NC, raw_NP, alpha, bias_P, pre_NS, post_NS, res_NSS, rstd_N,
+            x_BTSD, raw_BTP, alpha, bias_P, pre, post, res, rstd,
             N, C, norm_eps, eps, iters,
-            S=S, SP=SP, P=raw_NP.shape[1], WITH_RES=with_res, BN=BN, BC=BC,
+            S=S, SP=SP, P=raw_BTP.shape[-1], WITH_RES=with_res, BN=BN, BC=BC,
         )  # fmt: skip
-    return pre_NS, post_NS, res_NSS, rstd_N
+    return pre, post, res, rstd
+
+
+def _coefficients_fake(x_BTSD: Tensor, with_res: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty (H_pre [..,S], H_post [..,S], H_res [..,S,S], rstd [..]) in fp32 (H_post, H_res
+    of shape [0] for the contraction)."""
+    lead, S = x_BTSD.shape[:-2], x_BTSD.shape[-2]
+    new = x_BTSD.new_empty
+    f32 = torch.float32
+    post = new((*lead, S) if with_res else (0,), dtype=f32)
+    res = new((*lead, S, S) if with_res else (0,), dtype=f32)
+    return new((*lead, S), dtype=f32), post, res, new(lead, dtype=f32)
 
 
 @_coefficients_op.register_fake
-def _(x_NC, raw_NP, alpha, bias_P, S, iters, with_res, norm_eps, eps):  # type: ignore[no-untyped-def]
-    N = x_NC.shape[0]
-    new = x_NC.new_empty
-    post_shape, res_shape = ((N, S), (N, S, S)) if with_res else ((0,), (0,))
-    f32 = torch.float32
-    return new((N, S), dtype=f32), new(post_shape, dtype=f32), new(res_shape, dtype=f32), new(
-        (N,), dtype=f32
-    )
+def _(x_BTSD, raw_BTP, alpha, bias_P, iters, with_res, norm_eps, eps):  # type: ignore[no-untyped-def]
+    return _coefficients_fake(x_BTSD, with_res)
 
 
 @torch.library.custom_op("birkhoff::mhc_coefficients_bwd", mutates_args=())
 def _coefficients_bwd_op(
-    g_pre: Tensor, g_post: Tensor, g_res: Tensor, x_NC: Tensor, raw_NP: Tensor, rstd_N: Tensor,
-    alpha: Tensor, bias_P: Tensor, S: int, iters: int, with_res: bool, eps: float,
+    g_pre: Tensor, g_post: Tensor, g_res: Tensor, x_BTSD: Tensor, raw_BTP: Tensor,
+    rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor, iters: int, with_res: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(g_x [N,C] through the RMS scale, g_raw [N,P], g_a [N,P] of the pre-activations)."""
-    N, C = x_NC.shape
-    g_x = torch.empty_like(x_NC)
-    g_raw, g_a = torch.empty_like(raw_NP), torch.empty_like(raw_NP)
+    """(g_x through the RMS scale, g_raw, g_a: gradient of the pre-activations alpha z + b)."""
+    S, D = x_BTSD.shape[-2:]
+    N, C = rstd_BT.numel(), S * D
+    g_x = torch.empty_like(x_BTSD)
+    g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
     SP, BN, BC = _coeff_blocks(S, C)
     if N:
         K.coeff_bwd[(_cdiv(N, BN),)](
-            x_NC, raw_NP, rstd_N, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, g_x,
+            x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, g_x,
             N, C, eps, iters,
-            S=S, SP=SP, P=raw_NP.shape[1], WITH_RES=with_res, BN=BN, BC=BC,
+            S=S, SP=SP, P=raw_BTP.shape[-1], WITH_RES=with_res, BN=BN, BC=BC,
         )  # fmt: skip
     return g_x, g_raw, g_a
 
 
 @_coefficients_bwd_op.register_fake
-def _(g_pre, g_post, g_res, x_NC, raw_NP, rstd_N, alpha, bias_P, S, iters, with_res, eps):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x_NC), torch.empty_like(raw_NP), torch.empty_like(raw_NP)
+def _(g_pre, g_post, g_res, x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res, eps):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x_BTSD), torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
 
 
 def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x_NC, raw_NP, alpha, bias_P, S, iters, with_res, _norm_eps, eps = inputs
-    ctx.save_for_backward(x_NC, raw_NP, output[3], alpha, bias_P)
-    ctx.hyper = (S, iters, with_res, eps)
+    x_BTSD, raw_BTP, alpha, bias_P, iters, with_res, _norm_eps, eps = inputs
+    ctx.save_for_backward(x_BTSD, raw_BTP, output[3], alpha, bias_P)
+    ctx.hyper = (iters, with_res, eps)
 
 
 def _coefficients_backward(ctx, g_pre, g_post, g_res, _g_rstd):  # type: ignore[no-untyped-def]
-    x_NC, raw_NP, rstd_N, alpha, bias_P = ctx.saved_tensors
-    S, iters, with_res, eps = ctx.hyper
-    N = x_NC.shape[0]
-    zeros = raw_NP.new_zeros
-    g_pre = zeros((N, S)) if g_pre is None else g_pre.contiguous()
-    g_post = zeros((N, S) if with_res else (0,)) if g_post is None else g_post.contiguous()
-    g_res = zeros((N, S, S) if with_res else (0,)) if g_res is None else g_res.contiguous()
+    x_BTSD, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
+    iters, with_res, eps = ctx.hyper
+    zero = _coefficients_fake(x_BTSD, with_res)
+    g_pre, g_post, g_res = (
+        z.zero_() if g is None else g.contiguous()
+        for g, z in zip((g_pre, g_post, g_res), zero[:3], strict=True)
+    )
     g_x, g_raw, g_a = _coefficients_bwd_op(
-        g_pre, g_post, g_res, x_NC, raw_NP, rstd_N, alpha, bias_P, S, iters, with_res, eps
+        g_pre, g_post, g_res, x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res, eps
     )
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
-    gz_P = (g_a * raw_NP * rstd_N[:, None]).sum(0)
+    P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
+    gz_P = (g_a * raw_BTP * rstd_BT[..., None]).reshape(-1, P).sum(0)
     sizes = [S, S, S * S] if with_res else [S]
     g_alpha = torch.stack([part.sum() for part in gz_P.split(sizes)])
-    return g_x, g_raw, g_alpha, g_a.sum(0), None, None, None, None, None
+    return g_x, g_raw, g_alpha, g_a.reshape(-1, P).sum(0), None, None, None, None
 
 
 _coefficients_op.register_autograd(_coefficients_backward, setup_context=_coefficients_setup)
@@ -147,12 +153,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _logits(x_BTSD: Tensor, phi_PC: Tensor) -> tuple[Tensor, Tensor]:
-    """(x [N,C] contiguous, raw = x @ phi^T [N,P] in fp32): the cuBLAS part of the projection."""
-    B, T, S, D = x_BTSD.shape
-    x_NC = x_BTSD.reshape(B * T, S * D).contiguous()
-    with torch.autocast(device_type=x_NC.device.type, enabled=False):
-        raw_NP = x_NC.float() @ phi_PC.float().t()
-    return x_NC, raw_NP.contiguous()
+    """(x contiguous, raw = flatten(x) @ phi^T [B,T,P] in fp32): the cuBLAS part."""
+    x_BTSD = x_BTSD.contiguous()
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
+        raw_BTP = x_BTSD.flatten(-2).float() @ phi_PC.float().t()
+    return x_BTSD, raw_BTP.contiguous()
 
 
 def mhc_coefficients(
@@ -161,13 +166,12 @@ def mhc_coefficients(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Fused (H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in fp32."""
     check_inputs(x_BTSD, phi_PC)
-    B, T, S, _ = x_BTSD.shape
-    x_NC, raw_NP = _logits(x_BTSD, phi_PC)
+    x_BTSD, raw_BTP = _logits(x_BTSD, phi_PC)
     pre, post, res, _ = _coefficients_op(
-        x_NC, raw_NP, alpha_3.float().contiguous(), bias_P.float().contiguous(),
-        S, iters, True, norm_eps, eps,
+        x_BTSD, raw_BTP, alpha_3.float().contiguous(), bias_P.float().contiguous(),
+        iters, True, norm_eps, eps,
     )  # fmt: skip
-    return pre.view(B, T, S), post.view(B, T, S), res.view(B, T, S, S)
+    return pre, post, res
 
 
 def contraction_weights(
@@ -175,16 +179,17 @@ def contraction_weights(
 ) -> Tensor:
     """Fused sigmoid weights [B,T,S] of the output contraction (the H_pre path alone)."""
     check_inputs(x_BTSD, phi_SC)
-    B, T, S, _ = x_BTSD.shape
-    x_NC, raw_NS = _logits(x_BTSD, phi_SC)
+    x_BTSD, raw_BTS = _logits(x_BTSD, phi_SC)
     pre, _, _, _ = _coefficients_op(
-        x_NC, raw_NS, alpha_1.float().contiguous(), bias_S.float().contiguous(),
-        S, 0, False, norm_eps, eps,
+        x_BTSD, raw_BTS, alpha_1.float().contiguous(), bias_S.float().contiguous(),
+        0, False, norm_eps, eps,
     )  # fmt: skip
-    return pre.view(B, T, S)
+    return pre
 
 
 # ---- mix in: y = sum_j h[j] x_j -------------------------------------------------------------
+# The ops take and return [B,T,...] tensors (any leading shape; the kernels see N = B*T rows), so
+# their outputs are fresh tensors, never views: recompute records them as activations.
 
 
 def _mix_in_block(S: int, D: int) -> tuple[int, int]:
@@ -193,42 +198,41 @@ def _mix_in_block(S: int, D: int) -> tuple[int, int]:
 
 
 @torch.library.custom_op("birkhoff::mhc_mix_in", mutates_args=())
-def _mix_in_op(x_NSD: Tensor, h_NS: Tensor) -> Tensor:
-    N, S, D = x_NSD.shape
-    y_ND = x_NSD.new_empty((N, D))
+def _mix_in_op(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
+    S, D = x_BTSD.shape[-2:]
+    y_BTD = x_BTSD.new_empty((*x_BTSD.shape[:-2], D))
     SP, BD = _mix_in_block(S, D)
-    if N:
-        K.mix_in_fwd[(N,)](x_NSD, h_NS, y_ND, D, S=S, SP=SP, BD=BD)
-    return y_ND
+    if y_BTD.numel():
+        K.mix_in_fwd[(h_BTS.numel() // S,)](x_BTSD, h_BTS, y_BTD, D, S=S, SP=SP, BD=BD)
+    return y_BTD
 
 
 @_mix_in_op.register_fake
-def _(x_NSD, h_NS):  # type: ignore[no-untyped-def]
-    return x_NSD.new_empty((x_NSD.shape[0], x_NSD.shape[2]))
+def _(x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
+    return x_BTSD.new_empty((*x_BTSD.shape[:-2], x_BTSD.shape[-1]))
 
 
 @torch.library.custom_op("birkhoff::mhc_mix_in_bwd", mutates_args=())
-def _mix_in_bwd_op(g_ND: Tensor, x_NSD: Tensor, h_NS: Tensor) -> tuple[Tensor, Tensor]:
-    N, S, D = x_NSD.shape
-    g_x, g_h = torch.empty_like(x_NSD), torch.empty_like(h_NS)
+def _mix_in_bwd_op(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> tuple[Tensor, Tensor]:
+    S, D = x_BTSD.shape[-2:]
+    g_x, g_h = torch.empty_like(x_BTSD), torch.empty_like(h_BTS)
     SP, BD = _mix_in_block(S, D)
-    if N:
-        K.mix_in_bwd[(N,)](g_ND, x_NSD, h_NS, g_x, g_h, D, S=S, SP=SP, BD=BD)
+    if g_x.numel():
+        K.mix_in_bwd[(h_BTS.numel() // S,)](g_BTD, x_BTSD, h_BTS, g_x, g_h, D, S=S, SP=SP, BD=BD)
     return g_x, g_h
 
 
 @_mix_in_bwd_op.register_fake
-def _(g_ND, x_NSD, h_NS):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x_NSD), torch.empty_like(h_NS)
+def _(g_BTD, x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x_BTSD), torch.empty_like(h_BTS)
 
 
 def _mix_in_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.save_for_backward(*inputs)
 
 
-def _mix_in_backward(ctx, g_ND):  # type: ignore[no-untyped-def]
-    x_NSD, h_NS = ctx.saved_tensors
-    return _mix_in_bwd_op(g_ND.contiguous(), x_NSD, h_NS)
+def _mix_in_backward(ctx, g_BTD):  # type: ignore[no-untyped-def]
+    return _mix_in_bwd_op(g_BTD.contiguous(), *ctx.saved_tensors)
 
 
 _mix_in_op.register_autograd(_mix_in_backward, setup_context=_mix_in_setup)
@@ -237,10 +241,7 @@ _mix_in_op.register_autograd(_mix_in_backward, setup_context=_mix_in_setup)
 def mix_in(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
     """Fused sum_j h[j] x_j -> [B,T,D] in the dtype of x, accumulated in fp32."""
     check_inputs(x_BTSD)
-    B, T, S, D = x_BTSD.shape
-    x_NSD = x_BTSD.reshape(B * T, S, D).contiguous()
-    y_ND = _mix_in_op(x_NSD, h_BTS.reshape(B * T, S).float().contiguous())
-    return y_ND.view(B, T, D)
+    return _mix_in_op(x_BTSD.contiguous(), h_BTS.float().contiguous())
 
 
 # ---- mix out: y_k = h_post[k] f + sum_j h_res[j, k] x_j ---------------------------------------
@@ -252,46 +253,49 @@ def _mix_out_block(S: int, D: int) -> tuple[int, int]:
 
 
 @torch.library.custom_op("birkhoff::mhc_mix_out", mutates_args=())
-def _mix_out_op(x_NSD: Tensor, f_ND: Tensor, post_NS: Tensor, res_NSS: Tensor) -> Tensor:
-    N, S, D = x_NSD.shape
-    y_NSD = torch.empty_like(x_NSD, dtype=torch.promote_types(x_NSD.dtype, f_ND.dtype))
+def _mix_out_op(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor) -> Tensor:
+    S, D = x_BTSD.shape[-2:]
+    y_BTSD = torch.empty_like(x_BTSD, dtype=torch.promote_types(x_BTSD.dtype, f_BTD.dtype))
     SP, BD = _mix_out_block(S, D)
-    if N:
-        K.mix_out_fwd[(N,)](x_NSD, f_ND, post_NS, res_NSS, y_NSD, D, S=S, SP=SP, BD=BD)
-    return y_NSD
+    if y_BTSD.numel():
+        K.mix_out_fwd[(post_BTS.numel() // S,)](
+            x_BTSD, f_BTD, post_BTS, res_BTSS, y_BTSD, D, S=S, SP=SP, BD=BD
+        )
+    return y_BTSD
 
 
 @_mix_out_op.register_fake
-def _(x_NSD, f_ND, post_NS, res_NSS):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x_NSD, dtype=torch.promote_types(x_NSD.dtype, f_ND.dtype))
+def _(x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x_BTSD, dtype=torch.promote_types(x_BTSD.dtype, f_BTD.dtype))
 
 
 @torch.library.custom_op("birkhoff::mhc_mix_out_bwd", mutates_args=())
 def _mix_out_bwd_op(
-    g_NSD: Tensor, x_NSD: Tensor, f_ND: Tensor, post_NS: Tensor, res_NSS: Tensor
+    g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    N, S, D = x_NSD.shape
-    g_x, g_f = torch.empty_like(x_NSD), torch.empty_like(f_ND)
-    g_post, g_res = torch.empty_like(post_NS), torch.empty_like(res_NSS)
+    S, D = x_BTSD.shape[-2:]
+    g_x, g_f = torch.empty_like(x_BTSD), torch.empty_like(f_BTD)
+    g_post, g_res = torch.empty_like(post_BTS), torch.empty_like(res_BTSS)
     SP, BD = _mix_out_block(S, D)
-    if N:
-        K.mix_out_bwd[(N,)](
-            g_NSD, x_NSD, f_ND, post_NS, res_NSS, g_x, g_f, g_post, g_res, D, S=S, SP=SP, BD=BD
-        )
+    if g_x.numel():
+        K.mix_out_bwd[(post_BTS.numel() // S,)](
+            g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, g_post, g_res, D,
+            S=S, SP=SP, BD=BD,
+        )  # fmt: skip
     return g_x, g_f, g_post, g_res
 
 
 @_mix_out_bwd_op.register_fake
-def _(g_NSD, x_NSD, f_ND, post_NS, res_NSS):  # type: ignore[no-untyped-def]
-    return tuple(torch.empty_like(t) for t in (x_NSD, f_ND, post_NS, res_NSS))
+def _(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
+    return tuple(torch.empty_like(t) for t in (x_BTSD, f_BTD, post_BTS, res_BTSS))
 
 
 def _mix_out_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.save_for_backward(*inputs)
 
 
-def _mix_out_backward(ctx, g_NSD):  # type: ignore[no-untyped-def]
-    return _mix_out_bwd_op(g_NSD.contiguous(), *ctx.saved_tensors)
+def _mix_out_backward(ctx, g_BTSD):  # type: ignore[no-untyped-def]
+    return _mix_out_bwd_op(g_BTSD.contiguous(), *ctx.saved_tensors)
 
 
 _mix_out_op.register_autograd(_mix_out_backward, setup_context=_mix_out_setup)
@@ -300,11 +304,7 @@ _mix_out_op.register_autograd(_mix_out_backward, setup_context=_mix_out_setup)
 def mix_out(x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor) -> Tensor:
     """Fused y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], accumulated in fp32."""
     check_inputs(x_BTSD, f_BTD)
-    B, T, S, D = x_BTSD.shape
-    y_NSD = _mix_out_op(
-        x_BTSD.reshape(B * T, S, D).contiguous(),
-        f_BTD.reshape(B * T, D).contiguous(),
-        h_post_BTS.reshape(B * T, S).float().contiguous(),
-        h_res_BTSS.reshape(B * T, S, S).float().contiguous(),
-    )
-    return y_NSD.view(B, T, S, D)
+    return _mix_out_op(
+        x_BTSD.contiguous(), f_BTD.contiguous(),
+        h_post_BTS.float().contiguous(), h_res_BTSS.float().contiguous(),
+    )  # fmt: skip
