@@ -105,7 +105,9 @@ def assert_close(fused: list[Tensor], eager: list[Tensor], tol: float, what: str
         assert torch.isfinite(a).all(), (what, i)
         scale = max(1.0, b.abs().max().item())
         err = (a.float() - b.float()).abs().max().item()
-        assert err <= tol * scale, f"{what}[{i}]: max |fused - eager| = {err:.3g} > {tol * scale:.3g}"
+        assert err <= tol * scale, (
+            f"{what}[{i}]: max |fused - eager| = {err:.3g} > {tol * scale:.3g}"
+        )
 
 
 def check_hyper(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:

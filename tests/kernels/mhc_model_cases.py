@@ -28,9 +28,9 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
-def build_model(cfg: ModelConfig, device: str, seed: int = 0) -> Transformer:
+def build_model(cfg: ModelConfig, device: str) -> Transformer:
     """The model with every mHC op (contractions included) on `cfg.mhc_kernels`."""
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     model = Transformer(cfg).to(device)
     with torch.no_grad():  # move alpha away from its 0.01 init so the dynamic path matters
         for name, p in model.named_parameters():
@@ -42,12 +42,16 @@ def build_model(cfg: ModelConfig, device: str, seed: int = 0) -> Transformer:
     return model
 
 
+def token_ids(cfg: ModelConfig, device: str, shape: tuple[int, int]) -> Tensor:
+    ids = torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(1))
+    return ids.to(device)
+
+
 def loss_and_grads(
-    cfg: ModelConfig, device: str, *, autocast: bool = False, seed: int = 0
+    cfg: ModelConfig, device: str, *, autocast: bool = False, shape: tuple[int, int] = (2, 12)
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    model = build_model(cfg, device, seed)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    ids = ids.to(device)
+    model = build_model(cfg, device)
+    ids = token_ids(cfg, device, shape)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext()
     with amp:
         out = model(ids, labels=ids)
@@ -57,10 +61,17 @@ def loss_and_grads(
     return out.loss.detach(), grads
 
 
-def check_train_step(device: str, *, autocast: bool, loss_tol: float, grad_tol: float) -> None:
+def check_train_step(
+    device: str, *, autocast: bool, loss_tol: float, grad_tol: float,
+    shape: tuple[int, int] = (2, 12),
+) -> None:  # fmt: skip
     cfg = tiny_config()
-    loss_f, grads_f = loss_and_grads(cfg.replace(mhc_kernels="triton"), device, autocast=autocast)
-    loss_e, grads_e = loss_and_grads(cfg.replace(mhc_kernels="eager"), device, autocast=autocast)
+    loss_f, grads_f = loss_and_grads(
+        cfg.replace(mhc_kernels="triton"), device, autocast=autocast, shape=shape
+    )
+    loss_e, grads_e = loss_and_grads(
+        cfg.replace(mhc_kernels="eager"), device, autocast=autocast, shape=shape
+    )
     assert abs(loss_f.item() - loss_e.item()) <= loss_tol * abs(loss_e.item()), (loss_f, loss_e)
     assert grads_f.keys() == grads_e.keys()
     assert any("phi" in n for n in grads_f) and any("contraction.alpha" in n for n in grads_f)
@@ -84,7 +95,7 @@ def engine_kernels(fused: bool) -> Iterator[None]:
         hyper.use_fused = original  # type: ignore[assignment]
 
 
-def check_engine_greedy(device: str) -> None:
+def check_engine_greedy(device: str, *, num_new: int = 8) -> None:
     from birkhoff.engine import Engine, SamplingParams
 
     cfg = tiny_config(mtp_depth=2)
@@ -94,28 +105,30 @@ def check_engine_greedy(device: str) -> None:
     for fused in (True, False):
         with engine_kernels(fused):
             engine = Engine.from_model(model, device=device, dtype=torch.float32)
-            plain = engine.generate(prompts, SamplingParams(8))
-            spec = engine.generate(prompts, SamplingParams(8, num_speculative_tokens=2))
+            plain = engine.generate(prompts, SamplingParams(num_new))
+            spec = engine.generate(prompts, SamplingParams(num_new, num_speculative_tokens=2))
         tokens[fused] = ([c.tokens for c in plain], [c.tokens for c in spec])
     assert tokens[True] == tokens[False]
     assert tokens[True][0] == tokens[True][1]  # greedy speculative == plain
 
 
-def check_safe_reclaim(device: str) -> None:
+def check_safe_reclaim(device: str, *, shape: tuple[int, int] = (2, 12)) -> None:
     from birkhoff.recompute import census, sanitize, track_saved_storages
 
     cfg = tiny_config(mhc_kernels="triton")
-    ref_loss, ref_grads = loss_and_grads(cfg, device)
+    ref_loss, ref_grads = loss_and_grads(cfg, device, shape=shape)
     model = build_model(cfg.replace(recompute="full", reclaim="safe"), device)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(cfg, device, shape)
     with sanitize():
         with track_saved_storages() as registry:
-            out = model(ids.to(device), labels=ids.to(device))
+            out = model(ids, labels=ids)
         assert out.loss is not None
         out.loss.backward()
     assert torch.equal(out.loss.detach(), ref_loss)
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.equal(p.grad, ref_grads[name]), name
-    assert sorted(registry.freed.values()) == ["layers.0", "layers.1", "mtp.0", "mtp.0"], registry.freed
+    assert sorted(registry.freed.values()) == ["layers.0", "layers.1", "mtp.0", "mtp.0"], (
+        registry.freed
+    )
     del out
     assert census().live_bytes == 0

@@ -19,8 +19,18 @@ HERE = Path(__file__).resolve().parent
 def test_fused_mhc_ops_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1] / "src"))
-    cmd = [sys.executable, "-m", "pytest", str(HERE / "mhc_interpret_cases.py"), "-q", "-x",
-           "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]  # fmt: skip
+    cases = str(HERE / "mhc_interpret_cases.py")
+    opts = [
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-W",
+        "ignore::DeprecationWarning",
+    ]
+    cmd = [sys.executable, "-m", "pytest", cases, *opts]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE.parents[1])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

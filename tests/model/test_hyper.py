@@ -121,7 +121,7 @@ def test_sublayer_at_init_is_close_to_plain_residual() -> None:
 def v4_reference(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int
 ) -> tuple[torch.Tensor, ...]:
-    """fp64 transcription of DeepSeek-V4's published hyper-connection (pre, post, comb, collapse)."""
+    """fp64 transcription of DeepSeek-V4's published hyper-connection: pre, post, comb, collapse."""
     B, T, S, D = x.shape
     eps = 1e-6
     flat = x.reshape(B, T, S * D).double()
@@ -163,7 +163,9 @@ def test_bf16_mix_in_sums_in_fp32_like_the_reference() -> None:
     # after; casting H_pre to bf16 first (the previous formulation) lands further from fp64.
     x, fn, base, scale = _v4_inputs(magnitude=4.0)
     x_bf = x.to(torch.bfloat16)
-    pre = mhc_coefficients(x_bf, fn.float(), scale.float(), base.float(), iters=20, norm_eps=1e-6)[0]
+    pre = mhc_coefficients(x_bf, fn.float(), scale.float(), base.float(), iters=20, norm_eps=1e-6)[
+        0
+    ]
     exact = (pre.double()[..., None] * x_bf.double()).sum(2)
     ours = mix_in(x_bf, pre)
     published = (pre.unsqueeze(-1) * x_bf).sum(dim=2).to(torch.bfloat16)

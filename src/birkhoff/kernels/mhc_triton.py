@@ -24,16 +24,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rows(m, eps):
-    return m / (tl.sum(m, axis=2)[:, :, None] + eps)
-
-
-@triton.jit
-def _norm_cols(m, eps):
-    return m / (tl.sum(m, axis=1)[:, None, :] + eps)
-
-
-@triton.jit
 def _softmax_rows(a, valid):
     # Padded rows become uniform here and are zeroed; padded columns of real rows get exp = 0.
     a = tl.where(valid, a, -1.0e30)
@@ -43,19 +33,27 @@ def _softmax_rows(a, valid):
 
 @triton.jit
 def _state_before(a, valid, k, eps):
-    """Sinkhorn state entering normalisation k (k >= 1): odd k normalise columns, even rows."""
+    """Sinkhorn state entering normalisation k (k >= 1): odd k normalise columns, even rows.
+
+    The normalisations are written inline (not as helpers): the Triton interpreter pays for
+    every nested jit call, and this loop runs O(t_max^2) times in the backward.
+    """
     m = tl.where(valid, _softmax_rows(a, valid) + eps, 0.0)
     for step in range(1, k):
         if step % 2 == 1:
-            m = _norm_cols(m, eps)
+            m = m / (tl.sum(m, axis=1)[:, None, :] + eps)
         else:
-            m = _norm_rows(m, eps)
+            m = m / (tl.sum(m, axis=2)[:, :, None] + eps)
     return m
 
 
 @triton.jit
 def _sinkhorn_bwd(a, g, valid, iters, eps):
-    """Gradient w.r.t. the logits a of Sinkhorn(a) given g = dL/dH_res, recomputing each state."""
+    """Gradient w.r.t. the logits a of Sinkhorn(a) given g = dL/dH_res, recomputing each state.
+
+    Normalisation Y = M / (s + eps), s the row (column) sums of M, has the backward
+    dL/dM = (g - sum_along(g * Y)) / (s + eps); the row softmax p has p * (g - sum(g * p)).
+    """
     for back in range(0, 2 * iters - 1):
         k = 2 * iters - 1 - back
         m = _state_before(a, valid, k, eps)
@@ -129,7 +127,11 @@ def coeff_bwd(
     rstd = tl.load(rstd_ptr + n, mask=n_ok, other=0.0)
     s = tl.arange(0, SP)[None, :]
     vec_ok = n_ok[:, None] & (s < S)
-    raw_row, ga_row, graw_row = raw_ptr + n64[:, None] * P, ga_ptr + n64[:, None] * P, graw_ptr + n64[:, None] * P
+    raw_row, ga_row, graw_row = (
+        raw_ptr + n64[:, None] * P,
+        ga_ptr + n64[:, None] * P,
+        graw_ptr + n64[:, None] * P,
+    )
     alpha = tl.load(alpha_ptr)
     raw = tl.load(raw_row + s, mask=vec_ok, other=0.0)
     sig = tl.sigmoid(alpha * raw * rstd[:, None] + tl.load(bias_ptr + s, mask=s < S, other=0.0))
@@ -155,7 +157,11 @@ def coeff_bwd(
         g = tl.load(gres_ptr + n64[:, None, None] * (S * S) + ij, mask=valid, other=0.0)
         ga3 = _sinkhorn_bwd(a_res, g, valid, iters, hc_eps)
         tl.store(ga_ptr + n64[:, None, None] * P + 2 * S + ij, ga3, mask=valid)
-        tl.store(graw_ptr + n64[:, None, None] * P + 2 * S + ij, ga3 * alpha * rstd[:, None, None], mask=valid)
+        tl.store(
+            graw_ptr + n64[:, None, None] * P + 2 * S + ij,
+            ga3 * alpha * rstd[:, None, None],
+            mask=valid,
+        )
         g_rstd += tl.sum(tl.sum(ga3 * alpha * raw3, axis=2), axis=1)
     # rstd = (sum x^2 / C + eps)^(-1/2)  =>  d rstd / d x_c = -rstd^3 x_c / C
     coef = -g_rstd * rstd * rstd * rstd / C

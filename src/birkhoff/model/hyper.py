@@ -190,9 +190,7 @@ def contraction_weights(
     if use_fused(x_BTSD, kernels):
         from birkhoff.kernels import mhc
 
-        return mhc.contraction_weights(
-            x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps
-        )
+        return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
