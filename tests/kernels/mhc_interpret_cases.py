@@ -31,11 +31,15 @@ def _op_args(S: int = 4, D: int = 5, N: int = 3) -> dict[str, tuple]:
     g = torch.Generator().manual_seed(0)
     P = S * S + 2 * S
     x, f = torch.randn(N, S * D, generator=g), torch.randn(N, D, generator=g)
-    raw, alpha, bias = torch.randn(N, P, generator=g), torch.rand(3, generator=g), torch.randn(P)
+    phi, alpha, bias = (
+        torch.randn(P, S * D, generator=g),
+        torch.rand(3, generator=g),
+        torch.randn(P),
+    )
     pre, post = torch.rand(N, S, generator=g), torch.rand(N, S, generator=g)
     res = torch.rand(N, S, S, generator=g)
     return {
-        "mhc_coefficients": (x.view(N, S, D), raw, alpha, bias, 2, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, 1e-6, 1e-6),
         "mhc_mix_in": (x.view(N, S, D), pre),
         "mhc_mix_out": (x.view(N, S, D), f, post, res),
     }

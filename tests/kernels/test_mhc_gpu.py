@@ -61,7 +61,7 @@ def test_custom_op_registration(name: str) -> None:
 
     x = rand(N, S, D)
     args = {
-        "mhc_coefficients": (x, rand(N, P), rand(3), rand(P), 3, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x, rand(P, S * D), rand(3), rand(P), 3, True, 1e-6, 1e-6),
         "mhc_mix_in": (x, rand(N, S)),
         "mhc_mix_out": (x, rand(N, D), rand(N, S), rand(N, S, S)),
     }[name]

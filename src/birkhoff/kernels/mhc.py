@@ -12,10 +12,13 @@ recompute registry) see them.
 
 Design choices:
 - The projection raw = x @ phi^T (N x C times C x P, P = 24 at S = 4) stays a cuBLAS fp32
-  matmul outside the kernel, computed from the unnormalised streams (the RMS scale is a per-token
-  scalar applied to the logits in the kernel). An fp32 GEMM keeps the eager numerics (no TF32);
-  a Triton dot in fp32 over P = 24 (padded to 32) would run on CUDA cores at ~14 flops per byte,
-  no faster than cuBLAS. Its backward (g_phi = g_raw^T x, g_x += g_raw phi) is autograd's.
+  matmul, computed from the unnormalised streams (the RMS scale is a per-token scalar applied to
+  the logits in the kernel). An fp32 GEMM keeps the eager numerics (no TF32); a Triton dot in
+  fp32 over P = 24 (padded to 32) would run on CUDA cores at ~14 flops per byte, no faster than
+  cuBLAS. It runs inside the coefficient op, so the op saves x in its own dtype (shared with
+  what the mixes save) instead of autograd saving an fp32 copy of the streams per sublayer;
+  the backward recasts x for g_phi = g_raw^T x and adds g_raw phi to the RMS scale's gradient in
+  one pass (`rms_grad`).
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32
   and cast once to the output dtype (mix_in: the dtype of x; mix_out: promote(x, f)).
 - Inputs are made contiguous (a no-op for the trainer's streams; the expanded embedding is
@@ -61,12 +64,20 @@ def _coeff_blocks(S: int, C: int) -> tuple[int, int, int]:
     return SP, BN, max(16, min(_pow2(C), 4096 // BN))
 
 
+def _project(x_BTSD: Tensor, phi_PC: Tensor) -> Tensor:
+    """raw = flatten(x) @ phi^T [B,T,P] in fp32 (cuBLAS), without autocast."""
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
+        return (x_BTSD.flatten(-2).float() @ phi_PC.float().t()).contiguous()
+
+
 @torch.library.custom_op("birkhoff::mhc_coefficients", mutates_args=())
 def _coefficients_op(
-    x_BTSD: Tensor, raw_BTP: Tensor, alpha: Tensor, bias_P: Tensor,
+    x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor,
     iters: int, with_res: bool, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    pre, post, res, rstd = _coefficients_fake(x_BTSD, with_res)
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(H_pre, H_post, H_res, raw logits, rstd); the last two are saved for the backward."""
+    raw_BTP = _project(x_BTSD, phi_PC)
+    pre, post, res, _, rstd = _coefficients_fake(x_BTSD, phi_PC, with_res)
     S, D = x_BTSD.shape[-2:]
     N, C = rstd.numel(), S * D
     SP, BN, BC = _coeff_blocks(S, C)
@@ -76,73 +87,88 @@ def _coefficients_op(
             N, C, norm_eps, eps, iters,
             S=S, SP=SP, P=raw_BTP.shape[-1], WITH_RES=with_res, BN=BN, BC=BC,
         )  # fmt: skip
-    return pre, post, res, rstd
+    return pre, post, res, raw_BTP, rstd
 
 
-def _coefficients_fake(x_BTSD: Tensor, with_res: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Empty (H_pre [..,S], H_post [..,S], H_res [..,S,S], rstd [..]) in fp32 (H_post, H_res
-    of shape [0] for the contraction)."""
+def _coefficients_fake(
+    x_BTSD: Tensor, phi_PC: Tensor, with_res: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Empty outputs in fp32 (H_post, H_res of shape [0] for the contraction)."""
     lead, S = x_BTSD.shape[:-2], x_BTSD.shape[-2]
     new = x_BTSD.new_empty
     f32 = torch.float32
     post = new((*lead, S) if with_res else (0,), dtype=f32)
     res = new((*lead, S, S) if with_res else (0,), dtype=f32)
-    return new((*lead, S), dtype=f32), post, res, new(lead, dtype=f32)
+    raw = new((*lead, phi_PC.shape[0]), dtype=f32)
+    return new((*lead, S), dtype=f32), post, res, raw, new(lead, dtype=f32)
 
 
 @_coefficients_op.register_fake
-def _(x_BTSD, raw_BTP, alpha, bias_P, iters, with_res, norm_eps, eps):  # type: ignore[no-untyped-def]
-    return _coefficients_fake(x_BTSD, with_res)
+def _(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, norm_eps, eps):  # type: ignore[no-untyped-def]
+    return _coefficients_fake(x_BTSD, phi_PC, with_res)
 
 
 @torch.library.custom_op("birkhoff::mhc_coefficients_bwd", mutates_args=())
 def _coefficients_bwd_op(
-    g_pre: Tensor, g_post: Tensor, g_res: Tensor, x_BTSD: Tensor, raw_BTP: Tensor,
-    rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor, iters: int, with_res: bool, eps: float,
+    g_pre: Tensor, g_post: Tensor, g_res: Tensor, x_BTSD: Tensor, phi_PC: Tensor,
+    raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
+    iters: int, with_res: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(g_x through the RMS scale, g_raw, g_a: gradient of the pre-activations alpha z + b)."""
+    """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b)."""
     S, D = x_BTSD.shape[-2:]
-    N, C = rstd_BT.numel(), S * D
-    g_x = torch.empty_like(x_BTSD)
+    N, C, P = rstd_BT.numel(), S * D, phi_PC.shape[0]
     g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
+    coef_BT = torch.empty_like(rstd_BT)
     SP, BN, BC = _coeff_blocks(S, C)
-    if N:
-        K.coeff_bwd[(_cdiv(N, BN),)](
-            x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, g_x,
-            N, C, eps, iters,
-            S=S, SP=SP, P=raw_BTP.shape[-1], WITH_RES=with_res, BN=BN, BC=BC,
-        )  # fmt: skip
-    return g_x, g_raw, g_a
+    g_x = torch.empty_like(x_BTSD)
+    g_phi = torch.zeros_like(phi_PC)
+    if not N:
+        return g_x, g_phi, g_a
+    K.coeff_bwd[(_cdiv(N, BN),)](
+        raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT,
+        N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, BN=BN,
+    )  # fmt: skip
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
+        g_raw_NP, x_NC = g_raw.view(N, P), x_BTSD.view(N, C)
+        g_phi = (g_raw_NP.t() @ x_NC.float()).to(phi_PC.dtype)
+        g_proj_NC = g_raw_NP @ phi_PC.float()
+    BN2, BC2 = 16, 256
+    K.rms_grad[(_cdiv(N, BN2), _cdiv(C, BC2))](
+        g_proj_NC, x_BTSD, coef_BT, g_x, N, C, BN=BN2, BC=BC2
+    )
+    return g_x, g_phi, g_a
 
 
 @_coefficients_bwd_op.register_fake
-def _(g_pre, g_post, g_res, x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res, eps):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x_BTSD), torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
+def _(g_pre, g_post, g_res, x_BTSD, phi_PC, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res, eps):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x_BTSD), torch.empty_like(phi_PC), torch.empty_like(raw_BTP)
 
 
 def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x_BTSD, raw_BTP, alpha, bias_P, iters, with_res, _norm_eps, eps = inputs
-    ctx.save_for_backward(x_BTSD, raw_BTP, output[3], alpha, bias_P)
+    x_BTSD, phi_PC, alpha, bias_P, iters, with_res, _norm_eps, eps = inputs
+    ctx.save_for_backward(x_BTSD, phi_PC, output[3], output[4], alpha, bias_P)
+    ctx.mark_non_differentiable(output[3], output[4])
     ctx.hyper = (iters, with_res, eps)
 
 
-def _coefficients_backward(ctx, g_pre, g_post, g_res, _g_rstd):  # type: ignore[no-untyped-def]
-    x_BTSD, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
+def _coefficients_backward(ctx, g_pre, g_post, g_res, _g_raw, _g_rstd):  # type: ignore[no-untyped-def]
+    x_BTSD, phi_PC, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
     iters, with_res, eps = ctx.hyper
-    zero = _coefficients_fake(x_BTSD, with_res)
+    zero = _coefficients_fake(x_BTSD, phi_PC, with_res)
     g_pre, g_post, g_res = (
         z.zero_() if g is None else g.contiguous()
         for g, z in zip((g_pre, g_post, g_res), zero[:3], strict=True)
     )
-    g_x, g_raw, g_a = _coefficients_bwd_op(
-        g_pre, g_post, g_res, x_BTSD, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res, eps
-    )
+    g_x, g_phi, g_a = _coefficients_bwd_op(
+        g_pre, g_post, g_res, x_BTSD, phi_PC, raw_BTP, rstd_BT, alpha, bias_P, iters, with_res,
+        eps,
+    )  # fmt: skip
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
     P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
     gz_P = (g_a * raw_BTP * rstd_BT[..., None]).reshape(-1, P).sum(0)
     sizes = [S, S, S * S] if with_res else [S]
     g_alpha = torch.stack([part.sum() for part in gz_P.split(sizes)])
-    return g_x, g_raw, g_alpha, g_a.reshape(-1, P).sum(0), None, None, None, None
+    return g_x, g_phi, g_alpha, g_a.reshape(-1, P).sum(0), None, None, None, None
 
 
 _coefficients_op.register_autograd(_coefficients_backward, setup_context=_coefficients_setup)
@@ -152,24 +178,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _logits(x_BTSD: Tensor, phi_PC: Tensor) -> tuple[Tensor, Tensor]:
-    """(x contiguous, raw = flatten(x) @ phi^T [B,T,P] in fp32): the cuBLAS part."""
-    x_BTSD = x_BTSD.contiguous()
-    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        raw_BTP = x_BTSD.flatten(-2).float() @ phi_PC.float().t()
-    return x_BTSD, raw_BTP.contiguous()
-
-
 def mhc_coefficients(
     x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
     iters: int, norm_eps: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Fused (H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in fp32."""
     check_inputs(x_BTSD, phi_PC)
-    x_BTSD, raw_BTP = _logits(x_BTSD, phi_PC)
-    pre, post, res, _ = _coefficients_op(
-        x_BTSD, raw_BTP, alpha_3.float().contiguous(), bias_P.float().contiguous(),
-        iters, True, norm_eps, eps,
+    pre, post, res, _, _ = _coefficients_op(
+        x_BTSD.contiguous(), phi_PC.contiguous(), alpha_3.float().contiguous(),
+        bias_P.float().contiguous(), iters, True, norm_eps, eps,
     )  # fmt: skip
     return pre, post, res
 
@@ -179,10 +196,9 @@ def contraction_weights(
 ) -> Tensor:
     """Fused sigmoid weights [B,T,S] of the output contraction (the H_pre path alone)."""
     check_inputs(x_BTSD, phi_SC)
-    x_BTSD, raw_BTS = _logits(x_BTSD, phi_SC)
-    pre, _, _, _ = _coefficients_op(
-        x_BTSD, raw_BTS, alpha_1.float().contiguous(), bias_S.float().contiguous(),
-        0, False, norm_eps, eps,
+    pre, _, _, _, _ = _coefficients_op(
+        x_BTSD.contiguous(), phi_SC.contiguous(), alpha_1.float().contiguous(),
+        bias_S.float().contiguous(), 0, False, norm_eps, eps,
     )  # fmt: skip
     return pre
 

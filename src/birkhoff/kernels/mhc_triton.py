@@ -8,7 +8,8 @@ Every kernel works per token in fp32 registers and reads or writes each [N,S,D] 
   raw = x @ phi^T (the skinny GEMM is cuBLAS, done by the caller); alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
-- `coeff_bwd`: gradient of the pre-activations, of raw and of x through rstd. The Sinkhorn
+- `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
+  scale's gradient; `rms_grad` adds that to the projection's input gradient. The Sinkhorn
   backward stores no intermediate: the state before normalisation k is recomputed from the
   logits (O(t_max^2) S x S steps per token, all on chip, exact unrolled-autograd gradients).
 - `mix_in_*`: y = sum_j h[j] x_j and its backward (g_x = h g_y, g_h[j] = <g_y, x_j>).
@@ -114,13 +115,13 @@ def coeff_fwd(
 
 @triton.jit
 def coeff_bwd(
-    x_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, gpre_ptr, gpost_ptr, gres_ptr,
-    ga_ptr, graw_ptr, gx_ptr,
+    raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, gpre_ptr, gpost_ptr, gres_ptr,
+    ga_ptr, graw_ptr, coef_ptr,
     N, C, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, WITH_RES: tl.constexpr,
-    BN: tl.constexpr, BC: tl.constexpr,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, WITH_RES: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """g_a = dL/d(alpha z + b) [N,P], g_raw = g_a alpha rstd [N,P], g_x through rstd [N,C]."""
+    """g_a = dL/d(alpha z + b) [N,P], g_raw = g_a alpha rstd [N,P], and coef [N] with
+    dL/dx (through rstd) = coef * x."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -164,13 +165,21 @@ def coeff_bwd(
         )
         g_rstd += tl.sum(tl.sum(ga3 * alpha * raw3, axis=2), axis=1)
     # rstd = (sum x^2 / C + eps)^(-1/2)  =>  d rstd / d x_c = -rstd^3 x_c / C
-    coef = -g_rstd * rstd * rstd * rstd / C
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        ok = n_ok[:, None] & (c < C)[None, :]
-        offs = n64[:, None] * C + c[None, :]
-        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(gx_ptr + offs, (coef[:, None] * xv).to(gx_ptr.dtype.element_ty), mask=ok)
+    tl.store(coef_ptr + n, -g_rstd * rstd * rstd * rstd / C, mask=n_ok)
+
+
+@triton.jit
+def rms_grad(gproj_ptr, x_ptr, coef_ptr, gx_ptr, N, C, BN: tl.constexpr, BC: tl.constexpr):
+    """g_x = g_proj + coef * x: the projection's input gradient (fp32, from cuBLAS) plus the RMS
+    scale's, written once in the dtype of x."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    ok = (n < N)[:, None] & (c < C)[None, :]
+    offs = n.to(tl.int64)[:, None] * C + c[None, :]
+    coef = tl.load(coef_ptr + n, mask=n < N, other=0.0)
+    xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gproj_ptr + offs, mask=ok, other=0.0) + coef[:, None] * xv
+    tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
