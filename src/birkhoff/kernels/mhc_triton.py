@@ -58,12 +58,14 @@ def _sinkhorn_bwd(a, g, valid, iters, eps):
     for back in range(0, 2 * iters - 1):
         k = 2 * iters - 1 - back
         m = _state_before(a, valid, k, eps)
+        # (branch-local names differ: Triton requires a name bound in both branches of a
+        # runtime `if` to have one type, and the column and row sums have different shapes)
         if k % 2 == 1:
-            s = tl.sum(m, axis=1)[:, None, :] + eps
-            g = (g - tl.sum(g * (m / s), axis=1)[:, None, :]) / s
+            col = tl.sum(m, axis=1)[:, None, :] + eps
+            g = (g - tl.sum(g * (m / col), axis=1)[:, None, :]) / col
         else:
-            s = tl.sum(m, axis=2)[:, :, None] + eps
-            g = (g - tl.sum(g * (m / s), axis=2)[:, :, None]) / s
+            row = tl.sum(m, axis=2)[:, :, None] + eps
+            g = (g - tl.sum(g * (m / row), axis=2)[:, :, None]) / row
         g = tl.where(valid, g, 0.0)
     p = _softmax_rows(a, valid)
     return p * (g - tl.sum(g * p, axis=2)[:, :, None])
