@@ -36,6 +36,7 @@ from torch import Tensor
 from birkhoff.kernels import mhc_triton as K
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 
 
 def _pow2(n: int) -> int:
@@ -51,7 +52,7 @@ def check_inputs(*tensors: Tensor) -> None:
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"mhc_kernels='triton': dtype={t.dtype} is not fp32/bf16/fp16")
-        if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not t.is_cuda and not _INTERPRET:
             raise ValueError(f"mhc_kernels='triton': device={t.device} needs CUDA")
 
 

@@ -156,6 +156,8 @@ class HyperConnection(nn.Module):
         )  # fmt: skip
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if use_fused(x_BTSD, self.kernels):  # one copy of the expanded input, not one per op
+            x_BTSD = x_BTSD.contiguous()
         h_pre, h_post, h_res = self.coefficients(x_BTSD)
         f_BTD = sublayer(mix_in(x_BTSD, h_pre, kernels=self.kernels))
         return mix_out(x_BTSD, f_BTD, h_post, h_res, kernels=self.kernels)
