@@ -29,21 +29,20 @@ def compile_for_h200(fn: object, types: dict[str, str], consts: dict[str, object
     triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("S", [4, 3])
+@pytest.mark.parametrize("S", [4, 8])
 def test_kernels_compile_for_sm90(S: int) -> None:
     from birkhoff.kernels import mhc
     from birkhoff.kernels import mhc_triton as K
 
-    SP, BN, BC = mhc._coeff_blocks(S, 768 * S)
-    P = S * S + 2 * S
     f32 = "*fp32"
-    coeff = {n: f32 for n in ("x_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
-                              "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr",
-                              "graw_ptr", "coef_ptr")}  # fmt: skip
+    coeff = {n: f32 for n in ("x_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr",
+                              "post_ptr", "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr",
+                              "gres_ptr", "ga_ptr", "graw_ptr", "coef_ptr")}  # fmt: skip
     coeff |= dict(x_ptr="*bf16", N="i32", C="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
-    for with_res in (True, False):
-        consts = dict(S=S, SP=SP, P=P if with_res else S, WITH_RES=with_res, BN=BN)
-        compile_for_h200(K.coeff_fwd, coeff, consts | dict(BC=BC))
+    for P in (S * S + 2 * S, S):
+        SP, PP, BN, BC = mhc._coeff_blocks(S, 768 * S, P)
+        consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S, BN=BN)
+        compile_for_h200(K.coeff_fwd, coeff, consts | dict(PP=PP, BC=BC))
         compile_for_h200(K.coeff_bwd, coeff, consts)
     mix = {n: "*bf16" for n in ("x_ptr", "y_ptr", "gy_ptr", "gx_ptr", "f_ptr", "gf_ptr")}
     mix |= {n: f32 for n in ("h_ptr", "gh_ptr", "post_ptr", "res_ptr", "gpost_ptr", "gres_ptr")}
@@ -54,5 +53,8 @@ def test_kernels_compile_for_sm90(S: int) -> None:
     SP, BD = mhc._mix_out_block(S, 768)
     for kernel in (K.mix_out_fwd, K.mix_out_bwd):
         compile_for_h200(kernel, mix, dict(S=S, SP=SP, BD=BD))
-    rms = dict(gproj_ptr=f32, x_ptr="*bf16", coef_ptr=f32, gx_ptr="*bf16", N="i32", C="i32")
-    compile_for_h200(K.rms_grad, rms, dict(BN=16, BC=256))
+    rms = dict(graw_ptr=f32, phi_ptr=f32, x_ptr="*bf16", coef_ptr=f32, gx_ptr="*bf16")
+    P = S * S + 2 * S
+    PP = max(16, 1 << (P - 1).bit_length())
+    rms |= dict(N="i32", C="i32")
+    compile_for_h200(K.rms_grad, rms, dict(P=P, PP=PP, BN=16, BC=max(16, min(256, 4096 // PP))))

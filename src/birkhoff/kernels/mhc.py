@@ -11,14 +11,13 @@ Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tens
 recompute registry) see them.
 
 Design choices:
-- The projection raw = x @ phi^T (N x C times C x P, P = 24 at S = 4) stays a cuBLAS fp32
-  matmul, computed from the unnormalised streams (the RMS scale is a per-token scalar applied to
-  the logits in the kernel). An fp32 GEMM keeps the eager numerics (no TF32); a Triton dot in
-  fp32 over P = 24 (padded to 32) would run on CUDA cores at ~14 flops per byte, no faster than
-  cuBLAS. It runs inside the coefficient op, so the op saves x in its own dtype (shared with
-  what the mixes save) instead of autograd saving an fp32 copy of the streams per sublayer;
-  the backward recasts x for g_phi = g_raw^T x and adds g_raw phi to the RMS scale's gradient in
-  one pass (`rms_grad`).
+- The projection raw = x @ phi^T (P = 24 at S = 4) runs inside the coefficient kernel, in the
+  same pass over x as the RMS (on the unnormalised streams: the RMS scale is a per-token scalar
+  applied to the logits), as an fp32 dot without TF32 so the logits match the eager fp32 ones.
+  A cuBLAS GEMM would need an fp32 copy of bf16 streams and a second read of x. Only x in its
+  own dtype is saved (shared with what the mixes save), never an fp32 copy per sublayer. In the
+  backward g_x = g_raw phi + the RMS term is one kernel (`rms_grad`); g_phi = g_raw^T x, a
+  reduction over all tokens, stays a cuBLAS fp32 matmul (deterministic, unlike atomics).
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32
   and cast once to the output dtype (mix_in: the dtype of x; mix_out: promote(x, f)).
 - Inputs are made contiguous (a no-op for the trainer's streams; the expanded embedding is
@@ -59,16 +58,11 @@ def check_inputs(*tensors: Tensor) -> None:
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
 
 
-def _coeff_blocks(S: int, C: int) -> tuple[int, int, int]:
-    SP = _pad_streams(S)
-    BN = max(1, min(32, 512 // (SP * SP)))
-    return SP, BN, max(16, min(_pow2(C), 4096 // BN))
-
-
-def _project(x_BTSD: Tensor, phi_PC: Tensor) -> Tensor:
-    """raw = flatten(x) @ phi^T [B,T,P] in fp32 (cuBLAS), without autocast."""
-    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        return (x_BTSD.flatten(-2).float() @ phi_PC.float().t()).contiguous()
+def _coeff_blocks(S: int, C: int, P: int) -> tuple[int, int, int, int]:
+    """(SP, PP: S and P padded; BN tokens per program, >= 16 for tl.dot; BC columns per step)."""
+    SP, PP = _pad_streams(S), max(16, _pow2(P))
+    BN = max(16, min(32, 512 // (SP * SP)))
+    return SP, PP, BN, max(16, min(_pow2(C), 4096 // max(BN, PP)))
 
 
 @torch.library.custom_op("birkhoff::mhc_coefficients", mutates_args=())
@@ -77,16 +71,15 @@ def _coefficients_op(
     iters: int, with_res: bool, norm_eps: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(H_pre, H_post, H_res, raw logits, rstd); the last two are saved for the backward."""
-    raw_BTP = _project(x_BTSD, phi_PC)
-    pre, post, res, _, rstd = _coefficients_fake(x_BTSD, phi_PC, with_res)
+    pre, post, res, raw_BTP, rstd = _coefficients_fake(x_BTSD, phi_PC, with_res)
     S, D = x_BTSD.shape[-2:]
-    N, C = rstd.numel(), S * D
-    SP, BN, BC = _coeff_blocks(S, C)
+    N, C, P = rstd.numel(), S * D, phi_PC.shape[0]
+    SP, PP, BN, BC = _coeff_blocks(S, C, P)
     if N:
         K.coeff_fwd[(_cdiv(N, BN),)](
-            x_BTSD, raw_BTP, alpha, bias_P, pre, post, res, rstd,
+            x_BTSD, phi_PC.float().contiguous(), raw_BTP, alpha, bias_P, pre, post, res, rstd,
             N, C, norm_eps, eps, iters,
-            S=S, SP=SP, P=raw_BTP.shape[-1], WITH_RES=with_res, BN=BN, BC=BC,
+            S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, BN=BN, BC=BC,
         )  # fmt: skip
     return pre, post, res, raw_BTP, rstd
 
@@ -120,7 +113,7 @@ def _coefficients_bwd_op(
     N, C, P = rstd_BT.numel(), S * D, phi_PC.shape[0]
     g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
     coef_BT = torch.empty_like(rstd_BT)
-    SP, BN, BC = _coeff_blocks(S, C)
+    SP, PP, BN, _ = _coeff_blocks(S, C, P)
     g_x = torch.empty_like(x_BTSD)
     g_phi = torch.zeros_like(phi_PC)
     if not N:
@@ -129,13 +122,11 @@ def _coefficients_bwd_op(
         raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT,
         N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, BN=BN,
     )  # fmt: skip
-    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        g_raw_NP, x_NC = g_raw.view(N, P), x_BTSD.view(N, C)
-        g_phi = (g_raw_NP.t() @ x_NC.float()).to(phi_PC.dtype)
-        g_proj_NC = g_raw_NP @ phi_PC.float()
-    BN2, BC2 = 16, 256
-    K.rms_grad[(_cdiv(N, BN2), _cdiv(C, BC2))](
-        g_proj_NC, x_BTSD, coef_BT, g_x, N, C, BN=BN2, BC=BC2
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):  # reduction over tokens
+        g_phi = (g_raw.view(N, P).t() @ x_BTSD.view(N, C).float()).to(phi_PC.dtype)
+    BC = max(16, min(256, 4096 // PP))
+    K.rms_grad[(_cdiv(N, 16), _cdiv(C, BC))](
+        g_raw, phi_PC.float().contiguous(), x_BTSD, coef_BT, g_x, N, C, P=P, PP=PP, BN=16, BC=BC
     )
     return g_x, g_phi, g_a
 

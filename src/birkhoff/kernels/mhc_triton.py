@@ -4,12 +4,12 @@ Legend: N tokens (B*T flattened), S streams (SP: S padded to a power of two), D 
 C = S*D, P logits per token (S*S + 2S for a hyper-connection, S for the output contraction).
 
 Every kernel works per token in fp32 registers and reads or writes each [N,S,D] tensor once:
-- `coeff_fwd`: sum of squares of the flattened streams -> rstd; logits = raw * rstd with
-  raw = x @ phi^T (the skinny GEMM is cuBLAS, done by the caller); alpha * logits + bias;
+- `coeff_fwd`: one pass over the flattened streams gives the sum of squares -> rstd and the
+  projection raw = x @ phi^T (an fp32 dot, no TF32); logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
-  scale's gradient; `rms_grad` adds that to the projection's input gradient. The Sinkhorn
+  scale's gradient; `rms_grad` writes g_x = g_raw @ phi + that term in one pass. The Sinkhorn
   backward stores no intermediate: the state before normalisation k is recomputed from the
   logits (O(t_max^2) S x S steps per token, all on chip, exact unrolled-autograd gradients).
 - `mix_in_*`: y = sum_j h[j] x_j and its backward (g_x = h g_y, g_h[j] = <g_y, x_j>).
@@ -81,20 +81,29 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
+    x_ptr, phi_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
     N, C, norm_eps, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, WITH_RES: tl.constexpr,
-    BN: tl.constexpr, BC: tl.constexpr,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+    WITH_RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
+    p = tl.arange(0, PP)
     sq = tl.zeros([BN], dtype=tl.float32)
-    for c0 in range(0, C, BC):
+    raw = tl.zeros([BN, PP], dtype=tl.float32)
+    for c0 in range(0, C, BC):  # one pass over x: sum of squares and the projection
         c = c0 + tl.arange(0, BC)
         ok = n_ok[:, None] & (c < C)[None, :]
         xv = tl.load(x_ptr + n64[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
         sq += tl.sum(xv * xv, axis=1)
+        phi_ok = (c < C)[:, None] & (p < P)[None, :]
+        phi_t = tl.load(phi_ptr + p[None, :] * C + c[:, None], mask=phi_ok, other=0.0)
+        raw = tl.dot(xv, phi_t, raw, input_precision="ieee")
+    # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
+    # code below reads; the barrier makes every thread's stores visible to the whole program.
+    tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
+    tl.debug_barrier()
     rstd = tl.rsqrt(sq / C + norm_eps)
     tl.store(rstd_ptr + n, rstd, mask=n_ok)
     s = tl.arange(0, SP)[None, :]
@@ -171,16 +180,25 @@ def coeff_bwd(
 
 
 @triton.jit
-def rms_grad(gproj_ptr, x_ptr, coef_ptr, gx_ptr, N, C, BN: tl.constexpr, BC: tl.constexpr):
-    """g_x = g_proj + coef * x: the projection's input gradient (fp32, from cuBLAS) plus the RMS
-    scale's, written once in the dtype of x."""
+def rms_grad(
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, N, C,
+    P: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """g_x = g_raw @ phi + coef * x: the projection's input gradient plus the RMS scale's,
+    accumulated in fp32 (no TF32) and written once in the dtype of x."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    ok = (n < N)[:, None] & (c < C)[None, :]
+    p = tl.arange(0, PP)
+    n_ok = n < N
+    ok = n_ok[:, None] & (c < C)[None, :]
     offs = n.to(tl.int64)[:, None] * C + c[None, :]
-    coef = tl.load(coef_ptr + n, mask=n < N, other=0.0)
+    g_raw = tl.load(graw_ptr + n.to(tl.int64)[:, None] * P + p[None, :],
+                    mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
+    phi = tl.load(phi_ptr + p[:, None] * C + c[None, :], mask=(p < P)[:, None] & (c < C)[None, :],
+                  other=0.0)  # fmt: skip
+    coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
     xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(gproj_ptr + offs, mask=ok, other=0.0) + coef[:, None] * xv
+    g = tl.dot(g_raw, phi, input_precision="ieee") + coef[:, None] * xv
     tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
 
 
