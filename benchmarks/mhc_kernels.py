@@ -7,8 +7,8 @@ hyper-connection sublayer with F = identity) the fused and the eager path are ti
 forward + backward (median of --repeats after warm-up). "GB/s" is the op's compulsory traffic
 (every [B,T,S,D] / [B,T,D] tensor read or written once, the small coefficient tensors included)
 divided by the time; it is set against a device-to-device copy (read + write) measured in the
-same run. The fused coefficient path also runs the cuBLAS projection x @ phi^T, which reads x a
-second time; its figure counts x once, so it understates the bandwidth the kernels reach.
+same run. The coefficient backward also runs g_phi = g_raw^T x as a cuBLAS fp32 matmul (a second
+read of x and an fp32 cast), which its figure does not count.
 
   python benchmarks/mhc_kernels.py --device cuda                  # h200-small shape, bf16
   python benchmarks/mhc_kernels.py --device cuda --dtype fp32
