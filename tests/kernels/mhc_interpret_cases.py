@@ -22,6 +22,14 @@ def test_hyper_fused_matches_eager(case: Case) -> None:
     check_hyper(case, "cpu")
 
 
+def test_phi_gradient_summed_over_several_token_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from birkhoff.kernels import mhc
+
+    monkeypatch.setattr(mhc, "GPHI_TOKENS", 16)  # 34 tokens: three partial g_phi blocks
+    check_hyper(Case(S=4, B=2, T=17, iters=2), "cpu")
+    check_contraction(Case(S=2, B=2, T=17), "cpu")
+
+
 @pytest.mark.parametrize("case", CASES[:5], ids=case_id)
 def test_contraction_fused_matches_eager(case: Case) -> None:
     check_contraction(case, "cpu")

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def compile_for_h200(fn: object, types: dict[str, str], consts: dict[str, object]) -> None:
+def compile_for_h200(
+    fn: object, types: dict[str, str], consts: dict[str, object], num_warps: int = 4
+) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -26,7 +28,7 @@ def compile_for_h200(fn: object, types: dict[str, str], consts: dict[str, object
     signature = {p: "constexpr" if p in consts else types[p] for p in params}
     constexprs = {(params.index(k),): v for k, v in consts.items()}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 @pytest.mark.parametrize("S", [4, 8])
@@ -54,7 +56,8 @@ def test_kernels_compile_for_sm90(S: int) -> None:
     for kernel in (K.mix_out_fwd, K.mix_out_bwd):
         compile_for_h200(kernel, mix, dict(S=S, SP=SP, BD=BD))
     rms = dict(graw_ptr=f32, phi_ptr=f32, x_ptr="*bf16", coef_ptr=f32, gx_ptr="*bf16")
-    P = S * S + 2 * S
-    PP = max(16, 1 << (P - 1).bit_length())
-    rms |= dict(N="i32", C="i32")
-    compile_for_h200(K.rms_grad, rms, dict(P=P, PP=PP, BN=16, BC=max(16, min(256, 4096 // PP))))
+    rms |= dict(gphi_ptr=f32, N="i32", C="i32", TOKENS="i32")
+    for P in (S * S + 2 * S, S):
+        PP = max(16, 1 << (P - 1).bit_length())
+        consts = dict(P=P, PP=PP, BN=16, BC=max(16, min(128, 4096 // PP)))
+        compile_for_h200(K.rms_grad, rms, consts, num_warps=8)  # as mhc.py launches it

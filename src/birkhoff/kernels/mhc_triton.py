@@ -9,7 +9,8 @@ Every kernel works per token in fp32 registers and reads or writes each [N,S,D] 
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
-  scale's gradient; `rms_grad` writes g_x = g_raw @ phi + that term in one pass. The Sinkhorn
+  scale's gradient; `rms_grad` reads x once more for g_x = g_raw @ phi + that term and for
+  g_phi = g_raw^T @ x (per-program partials, summed by the caller). The Sinkhorn
   backward stores no intermediate: the state before normalisation k is recomputed from the
   logits (O(t_max^2) S x S steps per token, all on chip, exact unrolled-autograd gradients).
 - `mix_in_*`: y = sum_j h[j] x_j and its backward (g_x = h g_y, g_h[j] = <g_y, x_j>).
@@ -181,25 +182,33 @@ def coeff_bwd(
 
 @triton.jit
 def rms_grad(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, N, C,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, N, C, TOKENS,
     P: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """g_x = g_raw @ phi + coef * x: the projection's input gradient plus the RMS scale's,
-    accumulated in fp32 (no TF32) and written once in the dtype of x."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    """One read of x for both input-side gradients of the projection and the RMS scale:
+    g_x = g_raw @ phi + coef * x (written once in the dtype of x) and this program's share of
+    g_phi = g_raw^T @ x over its TOKENS tokens (a partial [PP, BC] block; the caller sums the
+    partials in a fixed order, so g_phi is deterministic). fp32 dots without TF32."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     p = tl.arange(0, PP)
-    n_ok = n < N
-    ok = n_ok[:, None] & (c < C)[None, :]
-    offs = n.to(tl.int64)[:, None] * C + c[None, :]
-    g_raw = tl.load(graw_ptr + n.to(tl.int64)[:, None] * P + p[None, :],
-                    mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
     phi = tl.load(phi_ptr + p[:, None] * C + c[None, :], mask=(p < P)[:, None] & (c < C)[None, :],
                   other=0.0)  # fmt: skip
-    coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
-    xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    g = tl.dot(g_raw, phi, input_precision="ieee") + coef[:, None] * xv
-    tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
+    acc = tl.zeros([PP, BC], dtype=tl.float32)
+    start = tl.program_id(0) * TOKENS
+    for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
+        n = n0 + tl.arange(0, BN)
+        n_ok = n < N
+        ok = n_ok[:, None] & (c < C)[None, :]
+        offs = n.to(tl.int64)[:, None] * C + c[None, :]
+        g_raw = tl.load(graw_ptr + n.to(tl.int64)[:, None] * P + p[None, :],
+                        mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
+        coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
+        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        g = tl.dot(g_raw, phi, input_precision="ieee") + coef[:, None] * xv
+        tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
+        acc = tl.dot(tl.trans(g_raw), xv, acc, input_precision="ieee")
+    part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
+    tl.store(part + p[:, None] * C + c[None, :], acc, mask=(c < C)[None, :])
 
 
 @triton.jit
