@@ -42,6 +42,8 @@ from birkhoff.model.layers import _compute_dtype, rms_norm
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
 KERNELS = ("auto", "eager", "triton")
 _TRITON = importlib.util.find_spec("triton") is not None
+if _TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
+    import birkhoff.kernels.mhc  # noqa: F401
 
 
 def use_fused(x: Tensor, kernels: str) -> bool:
