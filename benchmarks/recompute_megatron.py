@@ -97,8 +97,8 @@ def batch(size: dict[str, int], device: str) -> dict[str, Tensor]:
     T = size["seq"]
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
     pos = torch.arange(T)[None].expand(size["batch"], T)
-    return {k: v.to(device) for k, v in
-            dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids).items()}  # fmt: skip
+    data = dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids)
+    return {k: v.to(device) for k, v in data.items()}
 
 
 def step(model: nn.Module, data: dict[str, Tensor], device: str) -> dict[str, Any]:
@@ -151,8 +151,8 @@ def compare(rows: dict[str, dict[str, Any]]) -> None:
         diff = max((row["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
         row["max_grad_diff"] = diff
         row["loss_equal"] = row["loss"] == ref["loss"]
-        print(f"{name:<10}{row['loss']:>12.6f}{diff:>14.3e}"
-              f"{row['after_step_bytes'] / 2**20:>13.1f}{row['peak_bytes'] / 2**20:>11.1f}")  # fmt: skip
+        after, peak = row["after_step_bytes"] / 2**20, row["peak_bytes"] / 2**20
+        print(f"{name:<10}{row['loss']:>12.6f}{diff:>14.3e}{after:>13.1f}{peak:>11.1f}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor
-
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from birkhoff.recompute import UseAfterFreeError, checkpoint, sanitize, track_saved_storages

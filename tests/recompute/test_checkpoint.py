@@ -81,7 +81,11 @@ def test_works_without_tracking(reclaim: str) -> None:
     for use_checkpoint in (False, True):
         w.grad = x0.grad = None
         x = x0 * 2.0
-        y = checkpoint(lambda t: (t * w).sin(), x, reclaim=reclaim) if use_checkpoint else (x * w).sin()
+        y = (
+            checkpoint(lambda t: (t * w).sin(), x, reclaim=reclaim)
+            if use_checkpoint
+            else (x * w).sin()
+        )
         y.sum().backward()
         grads.append((w.grad.clone(), x0.grad.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -64,7 +64,9 @@ def test_drop_in_is_exact_and_keeps_hidden_states(kind: str, reclaim: str) -> No
     loss, hidden, released = step(model, ids)
     assert released == ({"model.layers.0", "model.layers.1"} if reclaim == "safe" else set())
     assert torch.equal(loss, ref_loss)
-    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), ref_model.named_parameters(), strict=True
+    ):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
     for h, r in zip(hidden, ref_hidden, strict=True):  # read after backward: all intact
         assert h.untyped_storage().nbytes() > 0 and torch.equal(h, r)

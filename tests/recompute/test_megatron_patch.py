@@ -49,8 +49,8 @@ def megatron_backward(ctx: Any, *args: Tensor) -> tuple:
             outputs = ctx.run_function(*detached_inputs)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
-    outputs, args = zip(*filter(lambda x: x[0].requires_grad, zip(outputs, args, strict=True)))
-    torch.autograd.backward(outputs, args)
+    pairs = [(o, g) for o, g in zip(outputs, args, strict=True) if o.requires_grad]
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return (None, None, *(inp.grad for inp in detached_inputs))
 
 

@@ -18,8 +18,8 @@ written here so the checkpoint's own references are explicit and `reclaim` can a
   holder does, so a tensor someone else still holds (the caller, a module attribute, a hook, a
   pending node) stays intact;
 - "always": every input storage is `resize_(0)`-ed when the checkpoint's last node is freed
-  (after its backward), whoever still holds it. This is the unconditional free that corrupts mHC + MTP; it is kept
-  only to reproduce that bug in tests and benchmarks.
+  (after its backward), whoever still holds it. This is the unconditional free that corrupts
+  mHC + MTP; it is kept only to reproduce that bug in tests and benchmarks.
 
 Ownership (why nothing forms a cycle or pins memory):
 - Nodes hold slots and the frame's unpack hook; the frame holds fn, the inputs, the RNG state
@@ -90,7 +90,8 @@ class _Slot:
     __slots__ = ("index", "value", "__weakref__")
 
     def __init__(self, index: int) -> None:
-        self.index, self.value = index, None
+        self.index = index
+        self.value: Tensor | None = None
 
 
 class _StopRerun(Exception):
@@ -131,7 +132,9 @@ class _Frame:
                 f"reclaim={self.reclaim!r} released its inputs after the first rerun; use "
                 "reclaim='never' to backward twice (retain_graph=True)"
             )
-        live = [i for i, ref in enumerate(self.slots) if (s := ref()) is not None and s.value is None]
+        live = [
+            i for i, ref in enumerate(self.slots) if (s := ref()) is not None and s.value is None
+        ]
         if not live:
             return
         self.check_versions()
@@ -178,9 +181,9 @@ class _Frame:
             return
         registry = self.registry or StorageRegistry()
         for a in self.inputs:
-            if isinstance(a, Tensor) and storage_key(a) is not None:
-                if a.untyped_storage().nbytes() > 0:
-                    registry.free(a, self.label)
+            has_bytes = isinstance(a, Tensor) and storage_key(a) is not None
+            if has_bytes and a.untyped_storage().nbytes() > 0:
+                registry.free(a, self.label)
 
 
 class _Filler:

@@ -1,7 +1,7 @@
 """HuggingFace drop-in: `birkhoff.recompute.checkpoint` as a transformers model's checkpointing.
 
     import birkhoff.recompute.hf
-    birkhoff.recompute.hf.enable(model, reclaim="safe")   # instead of gradient_checkpointing_enable()
+    birkhoff.recompute.hf.enable(model, reclaim="safe")  # not gradient_checkpointing_enable()
 
 transformers runs each decoder layer whose `gradient_checkpointing` flag is set (in training
 mode) as `model._gradient_checkpointing_func(partial(Layer.forward, layer, **kwargs), *args)`.
@@ -28,7 +28,7 @@ from birkhoff.recompute.checkpoint import RECLAIM_MODES, Reclaim, checkpoint, de
 
 
 def _layer_of(fn: Callable[..., Any]) -> nn.Module | None:
-    """The module a transformers checkpoint call runs: partial(forward, layer, ...) or a bound method."""
+    """The module a transformers checkpoint call runs: partial(forward, layer) or bound method."""
     while isinstance(fn, functools.partial):
         if fn.args and isinstance(fn.args[0], nn.Module):
             return fn.args[0]
