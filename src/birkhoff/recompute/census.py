@@ -10,8 +10,9 @@ tensors stashed while a checkpoint was recomputed in backward, which the forward
 The census reports; it frees nothing (a holder may still read what it holds).
 
 `PeakLiveBytes` is a measuring tool for CPU benchmarks: a dispatch mode that tracks the bytes of
-every storage created inside it and reports the peak of the live total, re-reading sizes after
-every op so storage freed by `resize_(0)` is seen at once.
+every storage an op inside it creates (not the aliases it returns of its inputs' storages) and
+reports the peak of the live total, re-reading sizes after every op so storage freed by
+`resize_(0)` is seen at once.
 Left out: storages allocated during backward (recomputed activations) are not in the census.
 """
 
@@ -92,9 +93,14 @@ class PeakLiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (view, detach, in-place) allocated nothing: counting
+        # it would add storages that existed before the measured code (parameters, inputs).
+        inputs = {storage_key(x) for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
         for t in tree_leaves(out):
             key = storage_key(t) if isinstance(t, Tensor) else None
-            if key is not None and (key not in self.refs or self.refs[key].expired()):
+            if key is None or key in inputs:
+                continue
+            if key not in self.refs or self.refs[key].expired():
                 self.refs[key] = StorageWeakRef(t.untyped_storage())
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
