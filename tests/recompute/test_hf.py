@@ -113,3 +113,6 @@ def test_labels_are_layer_names_and_options_are_refused() -> None:
     with pytest.raises(ValueError, match="reclaim='maybe'"):
         hf.enable(model, reclaim="maybe")  # type: ignore[arg-type]
     assert y.requires_grad
+    disable = getattr(model, "activation_checkpointing_disable", None)  # transformers >= 5.x
+    (disable or model.gradient_checkpointing_disable)()  # the model's own switch undoes enable()
+    assert not layer.gradient_checkpointing

@@ -1,13 +1,14 @@
 """HuggingFace drop-in: `birkhoff.recompute.checkpoint` as a transformers model's checkpointing.
 
     import birkhoff.recompute.hf
-    birkhoff.recompute.hf.enable(model, reclaim="safe")  # not gradient_checkpointing_enable()
+    birkhoff.recompute.hf.enable(model, reclaim="safe")  # not activation_checkpointing_enable()
 
 transformers runs each decoder layer whose `gradient_checkpointing` flag is set (in training
 mode) as `model._gradient_checkpointing_func(partial(Layer.forward, layer, **kwargs), *args)`.
 `enable` sets the flag and the function through the model's own `_set_gradient_checkpointing`,
-the method `gradient_checkpointing_enable` ends in, so every layer transformers would checkpoint
-is checkpointed, nothing else changes, and `model.gradient_checkpointing_disable()` undoes it.
+where `activation_checkpointing_enable` (`gradient_checkpointing_enable` before transformers 5)
+ends, so every layer transformers would checkpoint is checkpointed, nothing else changes, and
+the model's own `activation_checkpointing_disable()` undoes it.
 Each checkpoint is labelled with the layer's qualified name ("model.layers.3").
 
 Design choices: the checkpoint keeps each layer's graph (side outputs such as router logits for
