@@ -49,9 +49,14 @@ def test_census_counts_live_forward_storages() -> None:
     with track_saved_storages():
         a = leaf * 2.0  # 400 bytes, kept
         b = a * 3.0  # 400 bytes, dropped below
+        s = (a * a).sum()  # MulBackward0 saves `a` (twice): one pending storage
+    assert census().pending_storages == 1
+    s.backward()
+    assert census().pending_storages == 0
     del b
     c = census()
-    assert (c.live_bytes, c.live_storages) == (400, 1)
+    assert (c.live_bytes, c.live_storages) == (400 + 4, 2)  # a and s
+    del s
     a.untyped_storage().resize_(0)
     assert census().live_bytes == 0
 

@@ -35,6 +35,7 @@ class Census:
     live_bytes: int  # bytes of forward-allocated storages still alive (and not reclaimed)
     live_storages: int  # how many such storages
     tracked_storages: int  # how many storages the forward allocated in all
+    pending_storages: int  # storages still saved by autograd nodes outside checkpoints
     # "<module>.<attribute>" -> bytes of the live storages tensors on it hold (model given)
     holders: dict[str, int] = field(default_factory=dict)
 
@@ -48,8 +49,9 @@ def _nbytes(ref: StorageWeakRef) -> int:
 def census(registry: StorageRegistry | None = None, *, model: nn.Module | None = None) -> Census:
     """Live bytes of the storages allocated during the last (or the given) tracked forward.
 
-    With `model`, `holders` names every module attribute that holds a tensor (not a parameter
-    or buffer) on a live storage, e.g. {"layers.0.moe.cache": 4096}.
+    `pending_storages` counts storages that nodes which have not run (or a graph still alive)
+    hold as saved tensors. With `model`, `holders` names every module attribute that holds a
+    tensor (not a parameter or buffer) on a live storage, e.g. {"layers.0.moe.cache": 4096}.
     """
     registry = registry or last_registry()
     if registry is None:
@@ -58,8 +60,9 @@ def census(registry: StorageRegistry | None = None, *, model: nn.Module | None =
     live = [n for n in sizes if n > 0]
     holders = module_holders(model) if model is not None else {}
     return Census(
-        live_bytes=sum(live), live_storages=len(live), tracked_storages=len(sizes), holders=holders
-    )
+        live_bytes=sum(live), live_storages=len(live), tracked_storages=len(sizes),
+        pending_storages=len(registry.readers), holders=holders,
+    )  # fmt: skip
 
 
 def module_holders(model: nn.Module) -> dict[str, int]:

@@ -108,21 +108,10 @@ class StorageRegistry:
             else:
                 del self.readers[ref.key]
 
-    def pending(self, t: Tensor) -> int:
-        """Number of live saved holders (pending readers) on the storage of `t`."""
-        key = storage_key(t)
-        return 0 if key is None else self.readers.get(key, 0)
-
     def record_allocation(self, t: Tensor) -> None:
         key = storage_key(t)
         if key is not None and key not in self.allocated:
             self.allocated[key] = StorageWeakRef(t.untyped_storage())
-
-    def is_activation(self, t: Tensor) -> bool:
-        """True if the storage of `t` was allocated during the tracked forward (and is alive)."""
-        key = storage_key(t)
-        ref = None if key is None else self.allocated.get(key)
-        return ref is not None and not ref.expired()
 
     def note_released(self, t: Tensor, label: str) -> None:
         """A checkpoint labelled `label` dropped its reference to the storage of `t`."""
