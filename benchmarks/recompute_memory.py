@@ -9,6 +9,8 @@ Variants, all on the same mHC + MTP model and batch:
                     as the training step runs it
   always            birkhoff checkpoint, reclaim="always" (the unconditional free; --with-always)
 A step is forward + loss + backward + AdamW step, after one warm-up step (optimizer state exists).
+Step time: the median of --repeats steps, the variants' steps interleaved one by one so that
+load on the machine hits every variant alike ("always" is not timed).
 Peak memory: on CPU the peak of live tensor bytes allocated during the step (a dispatch mode
 that re-reads storage sizes after every op); on CUDA `torch.cuda.max_memory_allocated` minus the
 bytes allocated before the step (parameters, gradients-free, optimizer state), bf16 autocast.
@@ -35,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -115,26 +118,40 @@ def peak_meter(device: str) -> Iterator[dict[str, int]]:
 
 
 def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, Any]:
+    """Peak and after-step memory of one step (after a warm-up step), one variant at a time."""
     model, opt = build(args, variant)
     try:
         train_step(model, opt, ids, variant)  # warm-up: optimizer state, allocator pools
         with peak_meter(args.device) as mem:
             train_step(model, opt, ids, variant)
-        times = []
-        for _ in range(args.repeats):
-            sync(args.device)
-            start = time.perf_counter()
-            train_step(model, opt, ids, variant)
-            sync(args.device)
-            times.append(time.perf_counter() - start)
     except RuntimeError as err:  # "always" may read freed storage
         return {"status": f"failed: {str(err).splitlines()[0][:160]}"}
     finally:
         del model, opt
         release_memory(args.device)
     return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
-            "after_step_bytes": mem["after"], "step_ms": 1e3 * statistics.median(times),
-            "num_timed_steps": len(times)}  # fmt: skip
+            "after_step_bytes": mem["after"]}  # fmt: skip
+
+
+def time_interleaved(
+    args: argparse.Namespace, variants: list[str], ids: Tensor
+) -> dict[str, float]:
+    """Median step time per variant, variants interleaved step by step, so that load on the
+    machine (other processes, clocks) falls on all of them alike."""
+    built = {v: build(args, v) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for v, (model, opt) in built.items():
+        train_step(model, opt, ids, v)  # warm-up
+    for _ in range(args.repeats):
+        for v, (model, opt) in built.items():
+            sync(args.device)
+            start = time.perf_counter()
+            train_step(model, opt, ids, v)
+            sync(args.device)
+            times[v].append(time.perf_counter() - start)
+    del built
+    release_memory(args.device)
+    return {v: 1e3 * statistics.median(t) for v, t in times.items()}
 
 
 def release_memory(device: str) -> None:
@@ -172,7 +189,7 @@ def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
         if row["status"] != "ok":
             print(f"{name:<18}{row['status']}")
             continue
-        peak, ms, after = row["peak_bytes"], row["step_ms"], row["after_step_bytes"]
+        peak, ms, after = row["peak_bytes"], row.get("step_ms", math.nan), row["after_step_bytes"]
         rel_peak = peak / ref["peak_bytes"] if ref.get("status") == "ok" else float("nan")
         rel_ms = ms / ref["step_ms"] if ref.get("status") == "ok" else float("nan")
         print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{after / 2**20:>11.2f}"
@@ -276,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         rows[variant] = measure(args, variant, ids)
         print(f"  {variant}: {rows[variant]}")
+    timed = [v for v, row in rows.items() if row["status"] == "ok" and v != "always"]
+    for variant, ms in time_interleaved(args, timed, ids).items():
+        rows[variant].update(step_ms=ms, num_timed_steps=args.repeats)
     print_table(rows, args.device)
     leak = stash_leak(args)
     print("stash leak, MiB left after the step: "
