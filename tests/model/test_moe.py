@@ -279,31 +279,48 @@ def accumulate_grad_leaves(t: Tensor) -> list[Tensor]:
     return leaves
 
 
-@pytest.mark.parametrize("reclaim", ["never", "safe"])
-def test_the_historic_leak_reproduced_and_what_census_and_safe_reclaim_do(reclaim: str) -> None:
+def run_stashing_layer(wrap: object) -> tuple[StashingMoE, Tensor]:
+    """One checkpointed forward + backward of a StashingMoE; (layer, the scores it should stash)."""
     torch.manual_seed(0)
     layer = StashingMoE(CFG, MOE).double()
     inp = randn(2, 8, 32).requires_grad_()
     with track_saved_storages():
         h_BTD = inp * 2.0  # the checkpoint input: 2*8*32 fp64 = 4096 bytes, a forward activation
-        out = checkpoint(layer, h_BTD, reclaim=reclaim, name="moe")
+        out = wrap(layer, h_BTD)  # type: ignore[operator]
         loss = (out**2).sum()
     with torch.no_grad():  # outside the tracked forward: not in the census
         expected_scores = router_scores(h_BTD.flatten(0, 1), layer.router.weight)
     loss.backward()
-    del h_BTD, out, loss
-    # The stash from the rerun keeps its graph: it reaches the rerun's detached copy of the
-    # checkpoint input, and with it that input's storage and its gradient.
+    return layer, expected_scores
+
+
+def test_the_historic_leak_reproduced_with_a_reentrant_checkpoint() -> None:
+    """torch's reentrant checkpoint (megatron's CheckpointFunction is built the same way): the
+    stash from the rerun keeps its graph, which ends in the rerun's detached copy of the input,
+    an AccumulateGrad leaf that keeps the input's storage and its gradient alive."""
+    layer, expected = run_stashing_layer(
+        lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)
+    )
     (leaf,) = [v for v in accumulate_grad_leaves(layer.stash) if v.dim() == 3]
-    assert leaf.grad is not None and leaf.grad.untyped_storage().nbytes() == 4096
-    if reclaim == "never":
-        assert census().live_bytes == 4096  # the census reports the input kept alive
-        assert leaf.untyped_storage().nbytes() == 4096
-    else:
-        assert census().live_bytes == 0  # safe reclaim freed the input storage after backward
-        assert leaf.untyped_storage().nbytes() == 0
-    # The stashed tensor itself was allocated by the rerun and is still referenced: never freed.
-    assert torch.equal(layer.stash.detach(), expected_scores)
+    assert leaf.untyped_storage().nbytes() == 4096 and leaf.grad is not None
+    assert leaf.grad.untyped_storage().nbytes() == 4096
+    report = census(model=layer)
+    assert report.live_bytes == 4096 and report.holders == {"stash": 16 * 4 * 8}
+    assert torch.equal(layer.stash.detach(), expected)
+
+
+@pytest.mark.parametrize("reclaim", ["never", "safe"])
+def test_the_historic_leak_is_cured_by_our_checkpoint(reclaim: str) -> None:
+    """The rerun's graph ends at a 0-byte anchor, not at a leaf of the input: the stash keeps only
+    itself (the census names it as a holder), the input storage dies with backward."""
+    layer, expected = run_stashing_layer(lambda f, x: checkpoint(f, x, reclaim=reclaim, name="moe"))
+    leaves = accumulate_grad_leaves(layer.stash)
+    assert not any(v.dim() == 3 for v in leaves)  # no leaf on the input's storage
+    assert all(v is layer.router.weight or v.untyped_storage().nbytes() == 0 for v in leaves)
+    report = census(model=layer)
+    assert report.live_bytes == 0 and report.pending_storages == 0
+    assert report.holders == {"stash": 16 * 4 * 8}  # reported, never freed: the layer holds it
+    assert torch.equal(layer.stash.detach(), expected)
 
 
 # ---- whole model, placement, config
