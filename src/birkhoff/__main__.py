@@ -1,0 +1,7 @@
+"""`python -m birkhoff` (and `torchrun -m birkhoff`): the command line of birkhoff.cli."""
+
+import sys
+
+from birkhoff.cli import main
+
+sys.exit(main())
