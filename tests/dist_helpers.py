@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._dynamo  # noqa: F401  imported before forking (FSDP2 imports it lazily): ranks start warm
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
 import torch.multiprocessing as mp
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
