@@ -29,7 +29,9 @@ class GatheredSources(Sequence[Tensor]):
     def __init__(self, sources: list[Tensor]) -> None:
         self._sources = sources
         self._kept: dict[int, Tensor] = {}
-        self.gathered_bytes = 0  # bytes all-gathered so far (each sharded tensor once per read)
+        self.gathered_bytes = 0  # bytes all-gathered so far
+        self.max_kept_bytes = 0  # the most gathered bytes held at once (about one bucket)
+        self._kept_bytes = 0
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -49,13 +51,17 @@ class GatheredSources(Sequence[Tensor]):
             return source
         if index not in self._kept:
             full = source.full_tensor()
-            self.gathered_bytes += full.numel() * full.element_size()
+            nbytes = full.numel() * full.element_size()
+            self.gathered_bytes += nbytes
+            self._kept_bytes += nbytes
+            self.max_kept_bytes = max(self.max_kept_bytes, self._kept_bytes)
             self._kept[index] = full
         return self._kept[index]
 
     def release(self) -> None:
         """Drop the gathered tensors (after a bucket's copies were queued)."""
         self._kept.clear()
+        self._kept_bytes = 0
 
 
 def gathered(sources: list[Tensor]) -> Sequence[Tensor]:
