@@ -19,7 +19,9 @@ Design choices:
 - Data parallel (FSDP2, birkhoff.train.distributed): the loss function returns this rank's
   share of the global token mean, FSDP2 averages gradients over ranks, so the loss is
   backpropagated times the world size; the reported `loss` is the sum of the shares (the global
-  loss) and every other metric the mean of the ranks' values. In one process nothing changes.
+  loss) and every other metric the mean of the ranks' values (token-mean losses are reported
+  as share x world size, so that mean is the global figure; accuracies are rank means). In
+  one process nothing changes.
 Left out: gradient accumulation, loss scaling (bf16 needs none).
 """
 
@@ -94,11 +96,17 @@ def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
     metrics["token_acc"], metrics["seq_acc"] = token_acc, seq_acc
     if world_size() == 1:
         return out.loss, metrics
-    mask_BT = batch.loss_mask.bool()
+    mask_BT, num_ranks = batch.loss_mask.bool(), world_size()
     main, *mtp = (
         global_share(loss, shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum())
         for k, loss in enumerate([out.main_loss, *out.mtp_losses])
     )
+    # shares times the world size: train_step's mean over ranks is then the global token mean
+    metrics["main_loss"] = main.detach() * num_ranks
+    for k, share in enumerate(mtp, start=1):
+        metrics[f"mtp_loss_{k}"] = share.detach() * num_ranks
+    if mtp:
+        metrics["mtp_loss"] = torch.stack(mtp).detach().mean() * num_ranks
     return combine_losses(main, mtp, model.cfg.mtp_loss_weight), metrics
 
 
