@@ -13,9 +13,10 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+# imported before forking, so the ranks start warm (FSDP2 imports torch._dynamo lazily)
 import torch
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401  imported before forking (FSDP2 imports it lazily): ranks start warm
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401

@@ -74,7 +74,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
-                        help="torchrun only: collectives (auto: nccl on cuda, gloo on cpu)")  # fmt: skip
+                        help="torchrun only: nccl on cuda, gloo on cpu by default")  # fmt: skip
 
 
 def start_job(args: argparse.Namespace, preset: Preset, *, num_items: int, what: str) -> str:

@@ -106,8 +106,9 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
         )
         mtp_losses = out.mtp_losses
         if num_ranks > 1:  # each depth's share of its global token mean
-            mtp_losses = [global_share(loss, shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum())
-                          for k, loss in enumerate(mtp_losses, start=1)]  # fmt: skip
+            counts = [shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum()
+                      for k in range(1, len(mtp_losses) + 1)]  # fmt: skip
+            mtp_losses = [global_share(x, n) for x, n in zip(mtp_losses, counts, strict=True)]
         mtp_loss = torch.stack(mtp_losses).mean() if mtp_losses else policy_loss * 0
         result: Metrics = dict(metrics)
         # shares times the world size: train_step's mean over ranks is then the global value

@@ -109,7 +109,9 @@ def save_sharded(
         raise ValueError(f"extra={extra!r} is not JSON-serialisable: {err}") from err
     tmp = _temp_dir(path)
     try:
-        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        dcp.save(
+            _state(model, optimizer), checkpoint_id=str(tmp), no_dist=not dist.is_initialized()
+        )
         atomic_write_bytes(tmp / f"rng-{rank}.pt", torch_bytes(capture_rng_state()))
         _barrier()  # every rank's shards and RNG file are on disk
         if rank == 0:
@@ -163,7 +165,9 @@ def load_sharded(
     path = Path(path_dir)
     ck = read_sharded_meta(path)
     if ck.config != model.cfg:
-        raise CheckpointError(f"{path / CONFIG_FILE}: config {ck.config} != the model's {model.cfg}")
+        raise CheckpointError(
+            f"{path / CONFIG_FILE}: config {ck.config} != the model's {model.cfg}"
+        )
     state = _state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from birkhoff.config import ModelConfig
 from birkhoff.model.mtp import combine_losses, shift_targets
 from birkhoff.recompute import track_saved_storages
 from birkhoff.train.config import TrainConfig
@@ -107,7 +108,9 @@ def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
         metrics[f"mtp_loss_{k}"] = share.detach() * num_ranks
     if mtp:
         metrics["mtp_loss"] = torch.stack(mtp).detach().mean() * num_ranks
-    return combine_losses(main, mtp, model.cfg.mtp_loss_weight), metrics
+    cfg = model.cfg
+    assert isinstance(cfg, ModelConfig), "the supervised loss needs a model carrying .cfg"
+    return combine_losses(main, mtp, cfg.mtp_loss_weight), metrics
 
 
 def train_step(
