@@ -13,8 +13,8 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 
-import birkhoff.recompute.registry as registry_module
 from birkhoff.presets import tiny_cpu
+from birkhoff.recompute import last_registry
 from birkhoff.recompute.registry import storage_key
 from birkhoff.rl.loop import grpo_loss_fn
 from birkhoff.rl.rollout import RLBatch
@@ -86,48 +86,44 @@ def test_one_update_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
 
 
 def _reclaim_worker(rank: int, out: Path) -> None:
-    """Every storage the registry frees, with and without FSDP2, on the same local rows."""
-    freed: list[tuple[str, int]] = []
-    plain_free = registry_module.free_storage
-
-    def recording_free(t: torch.Tensor) -> None:
-        freed.append((str(storage_key(t)), t.untyped_storage().nbytes()))
-        plain_free(t)
-
-    registry_module.free_storage = recording_free
+    """What safe reclaim released and what died after it, with and without FSDP2."""
     batch = take_rows(supervised_batch(), rank_share(7, rank, 2))
     runs = {}
     for sharded in (False, True):
         torch.manual_seed(0)
         model = build_model(PRESET.model, CFG, device=torch.device("cpu"))
-        owned: set[str] = set()  # every storage FSDP2 owns: shards and gathered parameters
+        owned: set[int | None] = set()  # every storage FSDP2 owns: shards and gathered params
 
-        def note(module, args, model=model, owned=owned) -> None:
+        def note(*_: object, model=model, owned=owned) -> None:
             for p in model.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                owned.add(str(storage_key(local)))
+                owned.add(storage_key(p.to_local() if hasattr(p, "to_local") else p))
 
         if sharded:
             shard_model(model, device_type="cpu")
             for unit in [*model.blocks, *model.mtp_depths, model]:
-                unit.register_forward_pre_hook(note)
-                unit.register_forward_hook(lambda m, a, o, note=note: note(m, a))
-        freed.clear()
+                unit.register_forward_pre_hook(note)  # after FSDP2's: the gathered parameters
+                unit.register_forward_hook(note)
+                unit.register_full_backward_pre_hook(note)
         train_step(model, build_optimizer(model, CFG), batch, CFG, step=0)
-        note(model, ())
-        runs[sharded] = ([n for _, n in freed], sorted({k for k, _ in freed} & owned), len(owned))
+        note()
+        registry = last_registry()
+        assert registry is not None
+        released = {key: label for key, (_, label) in registry.released.items()}
+        runs[sharded] = (sorted(released.values()), sorted(registry.freed.values()),
+                         dict(registry.resized), sorted(set(released) & owned, key=str),
+                         len(owned))  # fmt: skip
     torch.save(runs, out / f"reclaim-{rank}.pt")
 
 
-def test_safe_reclaim_under_fsdp2_frees_what_it_freed_and_no_fsdp_storage(tmp_path: Path) -> None:
+def test_safe_reclaim_under_fsdp2_releases_what_it_did_and_no_fsdp_storage(tmp_path: Path) -> None:
     run_ranks(_reclaim_worker, tmp_path)
     for rank in (0, 1):
         runs = torch.load(tmp_path / f"reclaim-{rank}.pt")
-        plain_sizes, _, _ = runs[False]
-        sharded_sizes, fsdp_freed, num_owned = runs[True]
-        assert plain_sizes, "safe reclaim freed nothing: the test would prove nothing"
-        assert sharded_sizes == plain_sizes  # the same activations, in the same order
-        assert num_owned > 0 and fsdp_freed == []
+        plain_released, plain_freed, _, _, _ = runs[False]
+        released, freed, resized, fsdp_released, num_owned = runs[True]
+        assert plain_freed, "safe reclaim freed nothing: the test would prove nothing"
+        assert (released, freed) == (plain_released, plain_freed)  # the same inputs, by label
+        assert num_owned > 0 and fsdp_released == [] and resized == {}
 
 
 def _config_worker(rank: int, out: Path) -> None:
