@@ -22,7 +22,7 @@ def small_preset() -> Preset:
     preset = tiny_cpu()
     assert preset.rl is not None
     rl = preset.rl.replace(warmup_steps=WARMUP, num_steps=STEPS, num_prompts=4, group_size=2,
-                           num_eval_prompts=4, eval_every=2, checkpoint_every=1)  # fmt: skip
+                           num_eval_prompts=4, eval_every=3, checkpoint_every=0)  # fmt: skip
     return preset.replace(rl=rl, train=preset.train.replace(batch_size=8))
 
 
