@@ -23,6 +23,7 @@ Left out: asynchronous saving, keeping the last-N checkpoints.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -178,14 +179,8 @@ def load_sharded(
     rank, world = _rank_world()
     if restore_rng and world == ck.world_size:
         data = (path / f"rng-{rank}.pt").read_bytes()
-        restore_rng_state(torch.load(_bytes_io(data), map_location="cpu", weights_only=True))
+        restore_rng_state(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
     return ck
-
-
-def _bytes_io(data: bytes) -> Any:
-    import io
-
-    return io.BytesIO(data)
 
 
 def consolidate(sharded_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:

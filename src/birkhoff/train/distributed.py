@@ -226,9 +226,3 @@ def shard_model(model: Transformer, *, device_type: str) -> Transformer:
         fully_shard(depth, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
