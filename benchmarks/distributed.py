@@ -68,7 +68,7 @@ def train_step_figures(preset: Preset, device: torch.device, args: argparse.Name
     torch.manual_seed(0)
     model = build_model(preset.model, preset.train, device=device)
     if ctx.enabled:
-        distributed.shard_model(model, device_type=device.type)
+        distributed.shard_model(model, device_type=device.type, amp_dtype=preset.train.amp_dtype)
     optimizer = build_optimizer(model, preset.train)
     T = min(args.seq, preset.model.max_seq_len)
     B = max(preset.train.batch_size // ctx.world_size, 1)

@@ -141,7 +141,7 @@ class GRPORun:
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()  # from the whole model, before any sharding
         if self.dist.enabled:
-            shard_model(self.model, device_type=self.device.type)
+            shard_model(self.model, device_type=self.device.type, amp_dtype=preset.train.amp_dtype)
         self.optimizer = build_optimizer(self.model, preset.train)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         held_out = held_out_rng(preset.train.seed)

@@ -28,6 +28,9 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -72,6 +75,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     meta = Path(path) / META_FILE
     return meta.is_file() and json.loads(meta.read_bytes()).get("format") == FORMAT
@@ -110,9 +121,10 @@ def save_sharded(
         raise ValueError(f"extra={extra!r} is not JSON-serialisable: {err}") from err
     tmp = _temp_dir(path)
     try:
-        dcp.save(
-            _state(model, optimizer), checkpoint_id=str(tmp), no_dist=not dist.is_initialized()
-        )
+        with _single_process_quiet():
+            dcp.save(
+                _state(model, optimizer), checkpoint_id=str(tmp), no_dist=not dist.is_initialized()
+            )
         atomic_write_bytes(tmp / f"rng-{rank}.pt", torch_bytes(capture_rng_state()))
         _barrier()  # every rank's shards and RNG file are on disk
         if rank == 0:
@@ -171,7 +183,8 @@ def load_sharded(
         )
     state = _state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as err:  # DCP wraps reader errors of every rank in its own types
         raise CheckpointError(f"{path}: sharded state does not load ({err})") from err
     set_state_dict(model, optimizer or [], model_state_dict=state["model"],
@@ -192,7 +205,8 @@ def consolidate(sharded_dir: str | os.PathLike[str], out_dir: str | os.PathLike[
     model = Transformer(ck.config)
     state = {"model": get_state_dict(model, [])[0]}
     try:
-        dcp.load(state, checkpoint_id=str(sharded_dir), no_dist=True)
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(sharded_dir), no_dist=True)
     except Exception as err:
         raise CheckpointError(f"{sharded_dir}: sharded state does not load ({err})") from err
     set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})

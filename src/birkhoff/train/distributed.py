@@ -16,8 +16,8 @@ Design choices:
   (`Transformer.mtp_hidden`), so it is a unit of its own, gathered when it runs. Recompute is
   applied before sharding: it replaces `forward` on the instance, FSDP2 hooks `__call__`, so the
   gather runs once around the checkpointed forward, the pre-backward gather runs before the
-  rerun, and the names stay the plain model's. On CUDA parameters compute in bf16 and
-  gradients are reduced in fp32; on CPU (gloo) everything stays fp32.
+  rerun, and the names stay the plain model's. A bf16 run on CUDA gathers bf16 parameters and
+  reduces gradients in fp32 (the shards and the optimizer stay fp32); otherwise all is fp32.
 - Same numbers as one process: each rank's loss is its share of the global token mean
   (`global_share`: local token mean x local count / global count), and FSDP2 averages gradients
   over ranks, so the loss backpropagated is the share times the world size; one update on N
@@ -204,20 +204,23 @@ def reduce_floats(values: dict[str, float], op: str, device: torch.device) -> di
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-def mixed_precision(device_type: str) -> Any:
-    """bf16 compute with fp32 gradient reduction on CUDA; fp32 throughout elsewhere."""
+def mixed_precision(device_type: str, amp_dtype: str) -> Any:
+    """bf16 parameters with fp32 gradient reduction for a bf16 run on CUDA; else fp32 throughout."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if device_type == "cuda":
+    if device_type == "cuda" and amp_dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: Transformer, *, device_type: str) -> Transformer:
-    """`fully_shard` every block, every MTP depth (its head a unit of its own), then the root."""
+def shard_model(model: Transformer, *, device_type: str, amp_dtype: str = "none") -> Transformer:
+    """`fully_shard` every block, every MTP depth (its head a unit of its own), then the root.
+
+    `amp_dtype` is the run's `TrainConfig.amp_dtype`: "bf16" on CUDA gathers bf16 parameters.
+    """
     from torch.distributed.fsdp import fully_shard
 
-    policy = mixed_precision(device_type)
+    policy = mixed_precision(device_type, amp_dtype)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     for depth in model.mtp_depths:

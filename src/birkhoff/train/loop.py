@@ -102,7 +102,7 @@ def run_training(
     torch.manual_seed(cfg.seed)
     model = build_model(preset.model, cfg, device=device)
     if ctx.enabled:
-        shard_model(model, device_type=device.type)
+        shard_model(model, device_type=device.type, amp_dtype=cfg.amp_dtype)
     optimizer = build_optimizer(model, cfg)
     held_out = sample_problems(task, held_out_rng(cfg.seed), NUM_EVAL_PROBLEMS)
     eval_before = teacher_forced_accuracy(model, held_out, tokenizer)
