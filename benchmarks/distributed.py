@@ -8,7 +8,8 @@ Under torchrun every rank measures the distributed path; rank 0 then runs this s
 without torchrun (`--plain`, a subprocess with no process group) for the plain figures, so both
 columns come from the same machine in the same run. Measured per path:
 - train step: `train_step` of the h200-small preset (bf16 autocast) on a [B,T] batch of random
-  tokens, median seconds and tokens/s over all ranks, peak memory;
+  tokens, median seconds and tokens/s over all ranks, peak memory, and the loss of the first
+  step (same initialisation and batch in both paths: their numeric difference);
 - GRPO step: `GRPORun.grpo_step` of the h200-grpo preset (rollout, update, refit), with its
   generate / train / refit split;
 - refit: `GRPORun.refit` (plain: from the Parameters; distributed: gathered from the shards);
@@ -76,10 +77,13 @@ def train_step_figures(preset: Preset, device: torch.device, args: argparse.Name
     batch = SupervisedBatch(ids_BT, torch.ones_like(ids_BT, dtype=torch.bool))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # same seed, same batch in both paths: the first loss shows the numeric difference
+    first_loss = train_step(model, optimizer, batch, preset.train, step=10)["loss"]
     seconds = timed(lambda: train_step(model, optimizer, batch, preset.train, step=10), device,
                     args.repeats, warmup=2)  # fmt: skip
     tokens_s = B * T * ctx.world_size / seconds
-    return {"train_step_s": seconds, "train_tokens_s": tokens_s, "train_peak_mib": peak_mib(device)}
+    return {"train_step_s": seconds, "train_tokens_s": tokens_s, "train_peak_mib": peak_mib(device),
+            "train_first_loss": first_loss}  # fmt: skip
 
 
 def grpo_figures(preset: Preset, device: torch.device, args: argparse.Namespace) -> dict:
@@ -158,6 +162,7 @@ def plain_figures(args: argparse.Namespace) -> dict[str, Any]:
 
 
 ROWS = (
+    ("first train loss", "train_first_loss"),
     ("train step s", "train_step_s"),
     ("train tokens/s", "train_tokens_s"),
     ("train peak MiB", "train_peak_mib"),

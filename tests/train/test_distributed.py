@@ -6,7 +6,6 @@ Legend: B rows, T tokens.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -187,6 +186,9 @@ def test_backend_flag_needs_torchrun(
     assert "only for runs launched by torchrun" in capsys.readouterr().err
 
 
-def test_single_process_keeps_no_process_group() -> None:
-    assert "WORLD_SIZE" not in os.environ or distributed.launched_by_torchrun()
+def test_single_process_has_no_process_group_and_plain_reductions() -> None:
     assert distributed.current() == distributed.DistContext()
+    value = torch.tensor(2.5)
+    assert distributed.global_sum(value) is value
+    assert distributed.global_share(value, torch.tensor(3)) is value  # the plain loss, untouched
+    assert distributed.reduce_floats({"a": 1.0}, "mean", torch.device("cpu")) == {"a": 1.0}
