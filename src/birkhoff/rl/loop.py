@@ -185,15 +185,15 @@ class GRPORun:
         batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
         report = self.refit()
-        timings = {"train_s": train_s, "refit_s": report.seconds,
-                   "refit_gb_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
-                   **memory_metrics(self.device)}  # fmt: skip
+        timings = {"train_s": train_s, "refit_s": report.seconds, **memory_metrics(self.device)}
+        slowest = reduce_floats(timings, "max", self.device)  # every rank refits the same bytes
+        slowest["refit_gb_s"] = report.bytes / max(slowest["refit_s"], 1e-9) / 1e9
         return {
             "phase": "grpo",
             "step": self.step,
             **rollout_metrics(ro, self.device),
             **metrics,
-            **reduce_floats(timings, "max", self.device),
+            **slowest,
             "weight_version": report.version,
         }
 
