@@ -1,5 +1,7 @@
 """Rollout figures of a step over every rank: reward, its spread and MTP acceptance.
 
+Legend: N prompts, G group size.
+
 In one process they are the rollout's own figures (mean reward, population std, accepted drafts
 per verify step). Over several ranks each rank generated its share of the prompts; the sums
 (reward, squared reward, count, accepted drafts per position, verify steps) are all-reduced in
@@ -25,8 +27,9 @@ def rollout_metrics(ro: Rollout, device: torch.device) -> dict[str, float]:
                "reward_std": float(ro.rewards_NG.std(correction=0))}  # fmt: skip
         out.update({f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)})
         return out | {"generate_s": ro.seconds}
-    r = ro.rewards_NG.double()
-    sums = [float(r.sum()), float((r * r).sum()), float(r.numel()), float(ro.num_verify_steps)]
+    rewards_NG = ro.rewards_NG.double()
+    sums = [float(rewards_NG.sum()), float((rewards_NG**2).sum()), float(rewards_NG.numel()),
+            float(ro.num_verify_steps)]  # fmt: skip
     t = torch.tensor(sums + [float(a) for a in ro.accepted_at], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     seconds = torch.tensor([ro.seconds], dtype=torch.float64, device=device)
