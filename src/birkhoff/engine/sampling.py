@@ -126,8 +126,3 @@ def sampling_probs(logp_NV: Tensor, greedy_N: Tensor) -> Tensor:
     """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
     one_hot_NV = F.one_hot(logp_NV.argmax(dim=-1), logp_NV.shape[-1]).to(logp_NV.dtype)
     return torch.where(greedy_N[:, None], one_hot_NV, logp_NV.exp())
-
-
-def sample(probs_NV: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row from (unnormalised, non-negative) `probs_NV`."""
-    return torch.multinomial(probs_NV, 1, generator=generator).squeeze(-1)

@@ -22,21 +22,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from birkhoff.engine.sampling import sample
+from birkhoff.engine.rng import sample_inverse_cdf
 
 
 def accept_drafts(
-    p_AKV: Tensor, q_AKV: Tensor, drafts_AK: Tensor, generator: torch.Generator
+    p_AKV: Tensor, q_AKV: Tensor, drafts_AK: Tensor, u_AK: Tensor, u_A: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(number of accepted drafts [A], the next token [A]) by exact rejection sampling.
 
     p_AKV: target probabilities at the K+1 verified positions [A,K+1,V];
-    q_AKV: draft probabilities [A,K,V]; drafts_AK: the drafted tokens (sampled from q).
+    q_AKV: draft probabilities [A,K,V]; drafts_AK: the drafted tokens (sampled from q);
+    u_AK: uniforms of the acceptance tests; u_A: the uniform that samples the next token.
     """
     A, K = drafts_AK.shape
     p_draft_AK = p_AKV[:, :K].gather(-1, drafts_AK[..., None]).squeeze(-1)
     q_draft_AK = q_AKV.gather(-1, drafts_AK[..., None]).squeeze(-1)
-    u_AK = torch.rand(A, K, generator=generator, device=p_AKV.device, dtype=p_AKV.dtype)
     ok_AK = u_AK * q_draft_AK < p_draft_AK  # u < p/q without dividing; q(x) > 0 as x ~ q
     num_accepted_A = ok_AK.long().cumprod(dim=1).sum(dim=1)
     rows_A = torch.arange(A, device=p_AKV.device)
@@ -47,7 +47,7 @@ def accept_drafts(
     # rounding can empty the residual where p ~ q (then rejection had ~zero probability)
     empty_A1 = residual_AV.sum(dim=-1, keepdim=True) <= 0
     residual_AV = torch.where(empty_A1, p_next_AV, residual_AV)
-    return num_accepted_A, sample(residual_AV, generator)
+    return num_accepted_A, sample_inverse_cdf(residual_AV, u_A)
 
 
 @dataclass(slots=True)
