@@ -1,0 +1,99 @@
+"""CUDA-graph steps: identical greedy tokens to the eager path, and refit safety.
+
+The refit test runs on every device: generate, refit to other weights (several times, so the
+refit's alternating buffer banks are reused), generate again, and compare with a fresh engine.
+On CUDA it runs with graphs, whose captured weight addresses must follow every commit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from engine_helpers import tiny_config
+
+from birkhoff.engine import Engine, SamplingParams
+from birkhoff.engine.graphs import bucket
+from birkhoff.model import Transformer
+from birkhoff.refit.api import refit
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0], [3, 5, 8, 13], [2, 9]]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_buckets() -> None:
+    assert [bucket(n, 48) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+    assert bucket(3, 100, smallest=32) == 32 and bucket(40, 50, smallest=32) == 50
+
+
+def test_cuda_graphs_need_cuda() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Engine(tiny_config(), cuda_graphs=True)
+    assert Engine(tiny_config()).graphs is None  # off by default on CPU
+
+
+def perturbed(model: Transformer, seed: int) -> Transformer:
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen).to(p))
+    return other
+
+
+def mixed_params(k: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(4 + 3 * i, temperature=float(i % 2), seed=1, num_speculative_tokens=k)
+        for i in range(len(PROMPTS))
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refit_then_generate_equals_a_fresh_engine(trained_model: Transformer, device: str) -> None:
+    models = [trained_model.to(device)] + [perturbed(trained_model, s).to(device) for s in (1, 2)]
+    engine = Engine.from_model(models[0], device=device, max_batch_size=4)
+    for k in (0, 2):
+        refit(models[0], engine, bucket_bytes=1 << 12)
+        before = engine.generate(PROMPTS, mixed_params(k))
+        for step, model in enumerate([models[1], models[2], models[1], models[2]]):
+            refit(model, engine, bucket_bytes=1 << 12)
+            out = engine.generate(PROMPTS, mixed_params(k))
+            fresh = Engine.from_model(model, device=device, max_batch_size=4, cuda_graphs=False)
+            ref = fresh.generate(PROMPTS, mixed_params(k))
+            assert [c.tokens for c in out] == [c.tokens for c in ref], (k, step)
+            torch.testing.assert_close(
+                [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-4
+            )
+            assert {c.weight_version for c in out} == {engine.weight_version}
+        assert [c.tokens for c in before] != [c.tokens for c in out]
+    if engine.graphs is not None:
+        assert engine.graphs.num_captured > 0
+    trained_model.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("streams", [1, 4])
+def test_graph_steps_give_the_eager_greedy_tokens(
+    trained_model: Transformer, dtype: torch.dtype, k: int, streams: int
+) -> None:
+    torch.manual_seed(0)
+    model = trained_model if streams == 2 else Transformer(tiny_config(num_streams=streams))
+    model = model.cuda()
+    kwargs = dict(device="cuda", dtype=dtype, max_batch_size=4)
+    graphed = Engine.from_model(model, cuda_graphs=True, **kwargs)  # type: ignore[arg-type]
+    eager = Engine.from_model(model, cuda_graphs=False, **kwargs)  # type: ignore[arg-type]
+    params = [SamplingParams(6 + 5 * i, num_speculative_tokens=k) for i in range(len(PROMPTS))]
+    out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    atol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close([c.logprobs for c in out], [c.logprobs for c in ref], rtol=0,
+                               atol=atol)  # fmt: skip
+    assert graphed.graphs is not None and graphed.graphs.num_captured > 0
+    captured = graphed.graphs.num_captured
+    assert [c.tokens for c in graphed.generate(PROMPTS, params)] == [c.tokens for c in ref]
+    assert graphed.graphs.num_captured == captured  # the second call only replays
+    trained_model.cpu()
