@@ -105,6 +105,7 @@ class GraphPool:
         self.sets = OrderedDict()
         self.inputs: dict[tuple[int, int], StaticInputs] = {}
         self.num_captured = 0
+        self.stream: torch.cuda.Stream | None = None
 
     def graphs_for(self, weights: Weights) -> dict[tuple[int, ...], tuple[object, Outputs]]:
         key = fingerprint(weights)
@@ -132,15 +133,21 @@ class GraphPool:
         return self.inputs[depth, T]
 
     def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
-        """Warm up `fn` on a side stream (its effects are the replay's: same inputs), capture it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        """Warm up `fn` on the side stream (its effects are the replay's: same inputs), then
+        capture it there. capture_begin/end, not `torch.cuda.graph`, which would collect
+        garbage and empty the allocator cache on every one of the many captures."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+        with torch.cuda.stream(self.stream):
+            fn()
+            graph.capture_begin(pool=self.pool)
+            try:
+                outputs = fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
         self.num_captured += 1
         return graph, outputs
 
