@@ -5,7 +5,8 @@ Legend: N rows (one per draw), V vocab.
 Why counter-based: with continuous batching a request shares the batch with whichever requests
 happen to be active, and a stateful generator would hand it different numbers depending on its
 neighbours and slot. Here every random number a request consumes is a pure function of
-`(seed, request index, token position, draw tag)`, hashed on the device with splitmix64, so a
+`(seed, request index, token position, draw tag)`, hashed on the device with splitmix64 (the
+request's random 64-bit key XOR a counter, then one splitmix64 output mix), so a
 request's tokens depend only on its own prompt, parameters, seed and index in the call — never on
 batch composition, slot or `max_batch_size` (up to floating-point differences of the logits
 themselves, which on GPU may depend on the batch size the kernels see).
@@ -90,7 +91,7 @@ class RequestRandom:
     def uniform(self, rows: Tensor, positions: Tensor, tags: int | Tensor) -> Tensor:
         assert isinstance(tags, Tensor) or 0 <= tags < _TAGS, tags
         counter = positions.long() * _TAGS + tags
-        bits = splitmix64(splitmix64(self.keys_R[rows] ^ counter))
+        bits = splitmix64(self.keys_R[rows] ^ counter)  # keys are random: one mix suffices
         return _shr(bits, 11).double() * 2.0**-53  # 53 random bits -> [0, 1) exactly
 
     def sample(self, probs_NV: Tensor, rows_N: Tensor, positions_N: Tensor, tag: int) -> Tensor:
