@@ -8,13 +8,14 @@ On CUDA it runs with graphs, whose captured weight addresses must follow every c
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams
-from birkhoff.engine.graphs import bucket
+from birkhoff.engine.graphs import GraphPool, Outputs, bucket
 from birkhoff.model import Transformer
 from birkhoff.refit.api import refit
 
@@ -31,6 +32,51 @@ def test_cuda_graphs_need_cuda() -> None:
     with pytest.raises(ValueError, match="cuda_graphs"):
         Engine(tiny_config(), cuda_graphs=True)
     assert Engine(tiny_config()).graphs is None  # off by default on CPU
+
+
+class ReplayedGraph:
+    """A CPU stand-in for a captured graph: replay reruns the step into the static outputs."""
+
+    def __init__(self, fn: Callable[[], Outputs], outputs: Outputs) -> None:
+        self.fn, self.outputs = fn, outputs
+
+    def replay(self) -> None:
+        for static, new in zip(self.outputs, self.fn(), strict=True):
+            static.copy_(new)
+
+
+class EmulatedPool(GraphPool):
+    """GraphPool whose capture is emulated: the bucketing, padding rows, static buffers, length
+    buckets and output gathers of the graph path run on CPU exactly as on CUDA."""
+
+    def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
+        fn()  # the warm-up run, as on CUDA
+        outputs = tuple(t.clone() for t in fn())
+        self.num_captured += 1
+        return ReplayedGraph(fn, outputs), outputs  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int) -> None:
+    """fp64, more prompts than rows, mixed lengths: every step goes through bucketed static
+    shapes (rows padded to a power of two, keys to a length bucket) and gives eager's tokens."""
+    model = copy.deepcopy(trained_model).double()
+    eager = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed.graphs = EmulatedPool(4, graphed.capacity, graphed.rope)
+    params = [  # later requests are shorter: the batch drains from its last rows
+        SamplingParams(36 - 6 * i, temperature=float(i % 2), seed=4, num_speculative_tokens=k)
+        for i in range(len(PROMPTS))
+    ]
+    out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    torch.testing.assert_close(
+        [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-10
+    )
+    keys = {key for graphs in graphed.graphs.sets.values() for key in graphs}
+    assert len({A for _, _, A, _ in keys}) >= 2 and len({N for *_, N in keys}) >= 2
+    if k:
+        assert any(depth >= 0 for depth, *_ in keys)  # draft steps went through graphs too
 
 
 def perturbed(model: Transformer, seed: int) -> Transformer:

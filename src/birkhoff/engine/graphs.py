@@ -100,7 +100,7 @@ class GraphPool:
 
     def __init__(self, max_rows: int, capacity: int, rope: tuple[Tensor, Tensor]) -> None:
         self.max_rows, self.capacity, self.rope = max_rows, capacity, rope
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool: object | None = None  # the graphs' shared memory pool, made at first capture
         self.sets: OrderedDict[Fingerprint, dict[tuple[int, ...], tuple[object, Outputs]]]
         self.sets = OrderedDict()
         self.inputs: dict[tuple[int, int], StaticInputs] = {}
@@ -137,7 +137,7 @@ class GraphPool:
         capture it there. capture_begin/end, not `torch.cuda.graph`, which would collect
         garbage and empty the allocator cache on every one of the many captures."""
         if self.stream is None:
-            self.stream = torch.cuda.Stream()
+            self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
         self.stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.stream):
