@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -100,7 +101,7 @@ class GraphPool:
 
     def __init__(self, max_rows: int, capacity: int, rope: tuple[Tensor, Tensor]) -> None:
         self.max_rows, self.capacity, self.rope = max_rows, capacity, rope
-        self.pool: object | None = None  # the graphs' shared memory pool, made at first capture
+        self.pool: Any = None  # the graphs' shared memory pool, made at first capture
         self.sets: OrderedDict[Fingerprint, dict[tuple[int, ...], tuple[object, Outputs]]]
         self.sets = OrderedDict()
         self.inputs: dict[tuple[int, int], StaticInputs] = {}
