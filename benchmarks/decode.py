@@ -110,14 +110,14 @@ def timed_generate(
     return seconds, tokens
 
 
-def busy_fraction(engine: Engine, prompts: list[list[int]], new_tokens: int,
+def busy_fraction(engine: Engine, prompts: list[list[int]], new_tokens: int, wall_full: float,
                   device: torch.device, repeats: int) -> float | None:  # fmt: skip
-    """Device time / wall time of the steps between new_tokens/2 and new_tokens (CUDA only)."""
+    """Device time / wall time of the steps between new_tokens/2 and new_tokens (CUDA only);
+    `wall_full` is the best wall time of the full-length call, measured by the caller."""
     if device.type != "cuda":
         return None
     short, full = SamplingParams(max(new_tokens // 2, 1)), SamplingParams(new_tokens)
     wall_short, _ = timed_generate(engine, prompts, short, device, repeats)
-    wall_full, _ = timed_generate(engine, prompts, full, device, repeats)
     dev_short = device_seconds(lambda: engine.generate(prompts, short), device)
     dev_full = device_seconds(lambda: engine.generate(prompts, full), device)
     return (dev_full - dev_short) / max(wall_full - wall_short, 1e-9)
@@ -259,7 +259,7 @@ def section_peer(args: argparse.Namespace, device: torch.device) -> list[dict[st
         rows.append({"peer": "birkhoff", "batch": batch, "tokens_per_s": ours})
         for mode in args.peer_modes.split(","):
             try:
-                row = hf_peer(cfg, prompts, args.new_tokens, mode, device, dtype, args.repeats)
+                row = hf_peer(cfg, prompts, args.new_tokens, mode, device, dtype, 2)
             except Exception as e:  # a peer that cannot run is reported, not fatal
                 row = {"peer": f"hf-{mode}", "batch": batch, "error": repr(e)[:300]}
             if "tokens_per_s" in row:
