@@ -146,6 +146,8 @@ if triton is not None:
         k = g * BLOCK_X + tl.arange(0, BLOCK_X)
         x = tl.load(x_ptr + row * X + k, mask=k < X, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_max
-        q = (x * (1.0 / scale)).to(q_ptr.dtype.element_ty)
+        # IEEE reciprocal (Triton's `/` may be approximate) as torch's, for identical codes
+        recip = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
+        q = (x * recip).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + row * X + k, q, mask=k < X)
         tl.store(scale_ptr + row * G + g, scale)
