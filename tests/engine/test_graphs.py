@@ -35,14 +35,14 @@ def test_cuda_graphs_need_cuda() -> None:
 
 
 class ReplayedGraph:
-    """A CPU stand-in for a captured graph: replay reruns the step into the static outputs."""
+    """A CPU stand-in for a captured graph: replay reruns the step, which writes its outputs
+    into the same static buffers a CUDA graph writes."""
 
-    def __init__(self, fn: Callable[[], Outputs], outputs: Outputs) -> None:
-        self.fn, self.outputs = fn, outputs
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
+        self.fn = fn
 
     def replay(self) -> None:
-        for static, new in zip(self.outputs, self.fn(), strict=True):
-            static.copy_(new)
+        self.fn()
 
 
 class EmulatedPool(GraphPool):
@@ -51,9 +51,8 @@ class EmulatedPool(GraphPool):
 
     def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
         fn()  # the warm-up run, as on CUDA
-        outputs = tuple(t.clone() for t in fn())
         self.num_captured += 1
-        return ReplayedGraph(fn, outputs), outputs  # type: ignore[return-value]
+        return ReplayedGraph(fn), fn()
 
 
 @pytest.mark.parametrize("k", [0, 2])

@@ -14,10 +14,11 @@ generation built; `GraphSteps` replays a CUDA graph captured for the step's stat
   rope tables (a gather) and the cache writes (index_put), so a step has no host sync.
 - T is exact (a graph per chunk length); a chunk longer than `MAX_GRAPH_T` (a drafter catching
   up on a whole prompt right after admission) runs eagerly.
-Inputs are copied into static buffers (shared by all buckets of one step kind), the graph is
-replayed, and the active rows' outputs are copied out. Graphs are captured lazily, on the first
-step that needs them (warm-up run on a side stream, then capture), into one shared memory pool;
-they run one at a time on one stream, so their intermediates may share memory.
+Inputs are copied into static buffers and outputs come back in static buffers (both shared by
+all graphs of one step kind); the graph is replayed and the active rows' outputs copied out.
+Graphs are captured lazily, on the first step that needs them (warm-up run on a side stream, then
+capture), into one shared memory pool; they run one at a time on one stream, so their
+intermediates may share memory.
 
 Weights: a graph reads the weight tensors at the addresses it was captured with. Graph sets are
 therefore keyed by the addresses of the committed weights (`fingerprint`): a step replays a graph
@@ -105,6 +106,7 @@ class GraphPool:
         self.sets: OrderedDict[Fingerprint, dict[tuple[int, ...], tuple[object, Outputs]]]
         self.sets = OrderedDict()
         self.inputs: dict[tuple[int, int], StaticInputs] = {}
+        self.outputs: dict[tuple[int, int], Outputs] = {}
         self.num_captured = 0
         self.stream: torch.cuda.Stream | None = None
 
@@ -132,6 +134,18 @@ class GraphPool:
                 torch.zeros(A, T, dtype=torch.bool, device=dev), h, last,
             )  # fmt: skip
         return self.inputs[depth, T]
+
+    def static_outputs(self, kind: tuple[int, int], outputs: Outputs) -> Outputs:
+        """Copy `outputs` into the first rows of `kind`'s shared output buffers (made on first
+        use, during the eager warm-up run, at the largest bucket)."""
+        if kind not in self.outputs:
+            self.outputs[kind] = tuple(  # type: ignore[assignment]
+                t.new_empty((self.max_rows, *t.shape[1:])) for t in outputs
+            )
+        shared = self.outputs[kind]
+        for buf, t in zip(shared, outputs, strict=True):
+            buf[: len(t)].copy_(t)
+        return shared
 
     def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
         """Warm up `fn` on the side stream (its effects are the replay's: same inputs), then
@@ -183,8 +197,18 @@ class GraphSteps(Steps):
             rows_A, A, buf.positions_AT[:A], buf.valid_AT[:A], rope=self.pool.rope, limit=N
         )
 
-    def replay(self, key: tuple[int, ...], fn: Callable[[], Outputs], rows_A: Tensor) -> Outputs:
+    def replay(self, key: tuple[int, ...], step: Callable[[], Outputs], rows_A: Tensor) -> Outputs:
+        """Replay the graph of `key` (capturing `step` first if needed); the active rows' outputs.
+
+        The graph ends by copying its outputs into buffers shared by every graph of the same step
+        kind, so outputs (e.g. logits) take memory once, not once per graph; the step's own
+        tensors are intermediates of the shared pool."""
         if key not in self.graphs:
+
+            def fn() -> Outputs:
+                a, b = self.pool.static_outputs(key[:2], step())
+                return a[: key[2]], b[: key[2]]
+
             self.graphs[key] = self.pool.capture(fn)
         graph, (a, b) = self.graphs[key]
         graph.replay()  # type: ignore[attr-defined]
@@ -203,7 +227,7 @@ class GraphSteps(Steps):
                 self.w, self.cfg, self.cache, buf.tokens_AT[:A], self.static_chunk(buf, A, N)
             )
 
-        return self.replay((-1, T, A, N), fn, chunk.rows_A)
+        return self.replay((-1, T, A, N), fn, chunk.rows_A)  # key: (kind, T, A', N')
 
     def draft(
         self, depth: int, rows: list[int], chunk: Chunk, h_prev_ATSD: Tensor, tokens_AT: Tensor,
