@@ -206,7 +206,7 @@ class GraphSteps(Steps):
         if key not in self.graphs:
 
             def fn() -> Outputs:
-                a, b = self.pool.static_outputs(key[:2], step())
+                a, b = self.pool.static_outputs((key[0], key[1]), step())
                 return a[: key[2]], b[: key[2]]
 
             self.graphs[key] = self.pool.capture(fn)
