@@ -7,7 +7,8 @@ Continuous batching (scheduler.py): requests take free cache rows in call order;
 step, rows freed by finished requests are refilled with waiting requests (their prefill runs,
 then they join the decode steps), so a call takes any number of prompts. All randomness comes
 from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
-other requests share its batch. Steps run eagerly or as CUDA graphs (graphs.py).
+other requests share its batch. Steps run eagerly or as CUDA graphs (graphs.py). Plain decode
+runs one step ahead of the host (`run_plain`): the device never waits for host bookkeeping.
 
 Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
 not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
@@ -24,6 +25,7 @@ A row taken by a new request starts from position 0 in the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,6 +46,15 @@ class Completion:
     logprobs: list[float]  # of each token under the distribution it was sampled from
     weight_version: int  # the engine weights that produced it
     finish_reason: str  # "stop" (stop token) | "length" (max_new_tokens or max_seq_len)
+
+
+class PlainStep(NamedTuple):
+    """A queued plain step: its rows, their requests, and its results still on the device."""
+
+    rows: list[int]
+    requests: list[int]
+    next_A: Tensor
+    logp_A: Tensor
 
 
 class Generation:
@@ -72,19 +83,46 @@ class Generation:
         self.stats = SpecStats(self.num_drafts)
 
     def run(self) -> list[Completion]:
-        while not self.scheduler.done:
-            self.admit()  # refill rows freed by the last step
-            if rows := self.scheduler.active_rows:
-                if self.num_drafts:
+        if self.num_drafts:
+            while not self.scheduler.done:
+                self.admit()  # refill rows freed by the last step
+                if rows := self.scheduler.active_rows:
                     self.speculative_step(rows)
-                else:
-                    self.plain_step(rows)
+        else:
+            self.run_plain()
         return [
             Completion(toks, lps, -1, reason or "length")
             for toks, lps, reason in zip(
                 self.out_tokens, self.out_logprobs, self.finish, strict=True
             )
         ]
+
+    def run_plain(self) -> None:
+        """Plain decode one step ahead of the host: step t+1 is queued on the device before
+        step t's tokens are read back, so the device never waits for the host's bookkeeping.
+        A plain step's positions are known in advance (n grows by one) and its input token is
+        already on the device; rows that reach their length are not queued again, and a row
+        stopped by a stop token at step t has run step t+1 in vain (its result is dropped)."""
+        pending: PlainStep | None = None
+        while not self.scheduler.done:
+            self.admit()
+            in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
+            rows = [
+                i
+                for i in self.scheduler.active_rows
+                if not self.reaches_length(i, (i, self.scheduler.request_of[i]) in in_flight)
+            ]
+            queued = self.queue_plain_step(rows) if rows else None
+            if pending is not None:
+                self.collect(pending)
+            pending = queued
+
+    def reaches_length(self, i: int, token_in_flight: bool) -> bool:
+        """Whether row i's request is done by length once its in-flight token is emitted."""
+        r = self.scheduler.request_of[i]
+        emitted = len(self.out_tokens[r]) + token_in_flight
+        p = self.params[r]
+        return emitted >= p.max_new_tokens or len(self.prompts[r]) + emitted >= self.max_seq_len
 
     def chunk(self, rows: list[int], starts: list[int], lengths: list[int]) -> Chunk:
         return make_chunk(
@@ -128,24 +166,43 @@ class Generation:
         hidden_AD = hidden_ATD[torch.arange(len(rows), device=self.device), last_A]
         self.sample_next(rows, chunk.rows_A, lm_head(hidden_AD, self.w, self.cfg))
 
-    def plain_step(self, rows: list[int]) -> None:
+    def queue_plain_step(self, rows: list[int]) -> PlainStep:
+        """Queue one plain step of `rows` (no host sync); their positions advance by one."""
         chunk = self.chunk(rows, [self.n[i] for i in rows], [1] * len(rows))
         tokens_AT = self.tokens_BN[chunk.rows_A[:, None], chunk.positions_AT]
         _, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
-        self.sample_next(rows, chunk.rows_A, logits_ATV[:, 0])
+        next_A, logp_A = self.sample_tokens(rows, chunk.rows_A, logits_ATV[:, 0])
+        for i in rows:
+            self.n[i] += 1
+        requests = [self.scheduler.request_of[i] for i in rows]
+        return PlainStep(rows, requests, next_A, logp_A)
 
-    def sample_next(self, rows: list[int], rows_A: Tensor, logits_AV: Tensor) -> None:
+    def collect(self, step: PlainStep) -> None:
+        """Emit a queued step's tokens (one read-back) to the requests that still own the rows."""
+        tokens, logprobs = torch.stack((step.next_A.double(), step.logp_A.double())).tolist()
+        for i, r, tok, lp in zip(step.rows, step.requests, tokens, logprobs, strict=True):
+            if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
+                self.emit(i, [int(tok)], [lp], advance=False)
+
+    def sample_tokens(
+        self, rows: list[int], rows_A: Tensor, logits_AV: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(next token [A], its logprob [A]) at each row's position n + 1, written to tokens."""
         logp_AV, probs_AV = self.sample_logits(logits_AV, rows_A)
         n_A = self.n_of(rows)
         next_A = self.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
         self.tokens_BN[rows_A, n_A + 1] = next_A
-        logp_A = logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+        return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+
+    def sample_next(self, rows: list[int], rows_A: Tensor, logits_AV: Tensor) -> None:
+        next_A, logp_A = self.sample_tokens(rows, rows_A, logits_AV)
         for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
             self.emit(i, [tok], [lp])
 
-    def emit(self, i: int, tokens: list[int], logprobs: list[float]) -> None:
+    def emit(self, i: int, tokens: list[int], logprobs: list[float], advance: bool = True) -> None:
         """Append tokens to row i's request until a stop token, max_new_tokens or max_seq_len;
-        a finished request frees its row."""
+        a finished request frees its row. `advance`: move n past the tokens (queued plain steps
+        moved it already)."""
         r = self.scheduler.request_of[i]
         p, out = self.params[r], self.out_tokens[r]
         for tok, lp in zip(tokens, logprobs, strict=True):
@@ -160,7 +217,8 @@ class Generation:
             if self.finish[r] is not None:
                 self.scheduler.release(i)
                 return
-        self.n[i] += len(tokens)
+        if advance:
+            self.n[i] += len(tokens)
 
     def draft(self, rows: list[int], rows_A: Tensor) -> tuple[Tensor, Tensor]:
         """(drafts [A,K], their distributions q [A,K,V]) from the MTP depths at position n-1."""
