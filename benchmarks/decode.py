@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import sync
+from common import REPO_ROOT, json_args, sync
 from decode_peer import device_seconds, hf_peer
 
 from birkhoff.config import ModelConfig
@@ -325,8 +325,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(f"device {device}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     result: dict[str, Any] = {"device": str(device), "copy_bandwidth_bytes_per_s": bandwidth,
-                              "args": {k: str(v) if isinstance(v, Path) else v
-                                       for k, v in vars(args).items()}}  # fmt: skip
+                              "args": json_args(args)}  # fmt: skip
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     runners = {"shapes": lambda: section_shapes(args, device, bandwidth),
@@ -342,9 +341,8 @@ def main() -> None:
     out = args.out or RESULTS / f"decode-{device.type}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    repo = Path(__file__).resolve().parent.parent
-    shown = out.resolve().relative_to(repo) if out.resolve().is_relative_to(repo) else out
-    print(f"wrote {shown}")
+    shown = out.resolve()
+    print(f"wrote {shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown}")
     print(json.dumps(summary(result)))
 
 

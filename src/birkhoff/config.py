@@ -14,10 +14,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
-
-RecomputeMode = Literal["none", "full"]
-ReclaimMode = Literal["safe", "always", "never"]
+from typing import Any
 
 
 def check(cond: bool, field: str, value: object, why: str) -> None:
@@ -44,8 +41,6 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
-    recompute: RecomputeMode = "none"
-    reclaim: ReclaimMode = "safe"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
@@ -69,13 +64,6 @@ class ModelConfig:
         check(math.isfinite(w) and w >= 0, "mtp_loss_weight", w, "must be finite and >= 0")
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
         check(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
-        check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
-        check(
-            self.reclaim in ("safe", "always", "never"),
-            "reclaim",
-            self.reclaim,
-            "safe | always | never",
-        )
 
     @property
     def head_dim(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams, fp8_matmul
+from birkhoff.engine.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from birkhoff.engine.fp8_matmul import (
     fp8_linear,
     fp8_linear_reference,
@@ -20,7 +21,6 @@ from birkhoff.engine.fp8_matmul import (
     quantize_activation_cuda,
 )
 from birkhoff.model import Transformer
-from birkhoff.refit.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 SHAPES = [(3, 200, 130), (20, 256, 64), (1, 96, 40), (70, 384, 256)]  # N rows, X in, Y out
 

@@ -1,7 +1,7 @@
 """One generate call: prefill, then plain or speculative decode steps until every request is done.
 
-Legend: R requests, B cache rows, N positions, A active rows, T tokens, K drafts per step,
-S streams, D model dim, V vocab.
+Legend: R requests, B cache rows, N cache positions, A active rows, T tokens of a chunk,
+J drafts per step, S streams, D model dim, V vocab.
 
 Continuous batching (scheduler.py): requests take free cache rows in call order; before every
 step, rows freed by finished requests are refilled with waiting requests (their prefill runs,
@@ -16,7 +16,7 @@ depth k, `valid[k][i]` counts the leading positions whose depth-k cache entries 
 from accepted tokens only. A speculative step:
   1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
      those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
-  2. verify: the main model runs on [t_n, d_1..d_K] at positions n..n+K;
+  2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
   3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
 Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
 A row taken by a new request starts from position 0 in the same way.
@@ -68,7 +68,7 @@ class Generation:
         self.cfg, self.steps, self.w, self.cache = cfg, steps, steps.w, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
         self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
-        B, R = cache.batch, len(prompts)
+        B, R = cache.k.shape[1], len(prompts)  # cache rows, requests
         self.scheduler = Scheduler(R, B)
         self.rng = RequestRandom(B, self.device)
         self.row_params = [params[0]] * B  # the params of the request in each row
@@ -133,12 +133,12 @@ class Generation:
         return torch.tensor([self.n[i] for i in rows], device=self.device)
 
     def sample_logits(
-        self, logits_NV: Tensor, rows_A: Tensor, repeat: int = 1
+        self, logits_AV: Tensor, rows_A: Tensor, repeat: int = 1
     ) -> tuple[Tensor, Tensor]:
         """(log-probs of the target distribution, sampling probs) for rows repeated `repeat`x."""
         rs = self.sampling.select(rows_A, repeat)
-        logp_NV = target_logprobs(logits_NV, rs)
-        return logp_NV, sampling_probs(logp_NV, rs.greedy_N)
+        logp_AV = target_logprobs(logits_AV, rs)
+        return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
 
     def admit(self) -> None:
         """Give free rows to waiting requests and prefill them (eagerly: T is the prompt)."""
@@ -221,7 +221,7 @@ class Generation:
             self.n[i] += len(tokens)
 
     def draft(self, rows: list[int], rows_A: Tensor) -> tuple[Tensor, Tensor]:
-        """(drafts [A,K], their distributions q [A,K,V]) from the MTP depths at position n-1."""
+        """(drafts [A,J], their distributions q [A,J,V]) from the MTP depths at position n-1."""
         assert self.drafter is not None
         n_A = self.n_of(rows)
         drafts, qs = [], []
@@ -248,25 +248,26 @@ class Generation:
         return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
     def speculative_step(self, rows: list[int]) -> None:
-        K = self.num_drafts
+        J = self.num_drafts
         rows_A = torch.tensor(rows, device=self.device)
-        drafts_AK, q_AKV = self.draft(rows, rows_A)
+        drafts_AJ, q_AJV = self.draft(rows, rows_A)
         assert self.drafter is not None
-        chunk = self.chunk(rows, [self.n[i] for i in rows], [K + 1] * len(rows))
+        chunk = self.chunk(rows, [self.n[i] for i in rows], [J + 1] * len(rows))
         tokens_AT = self.tokens_BN[rows_A[:, None], chunk.positions_AT]
         ms_ATSD, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
         self.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
-        A, T, V = len(rows), K + 1, self.cfg.vocab_size
-        logp_NV, p_NV = self.sample_logits(logits_ATV.reshape(A * T, V), rows_A, repeat=T)
+        A, T, V = len(rows), J + 1, self.cfg.vocab_size
+        logits_AV = logits_ATV.reshape(A * T, V)  # A*T rows
+        logp_AV, p_AV = self.sample_logits(logits_AV, rows_A, repeat=T)
         n_A = self.n_of(rows)
-        tags_K = ACCEPT + torch.arange(1, K + 1, device=self.device)
-        u_AK = self.rng.uniform(rows_A[:, None], n_A[:, None], tags_K[None, :])
+        tags_J = ACCEPT + torch.arange(1, J + 1, device=self.device)
+        u_AJ = self.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
         u_A = self.rng.uniform(rows_A, n_A, SAMPLE)
-        num_acc_A, next_A = accept_drafts(p_NV.view(A, T, V), q_AKV, drafts_AK, u_AK, u_A)
+        num_acc_A, next_A = accept_drafts(p_AV.view(A, T, V), q_AJV, drafts_AJ, u_AJ, u_A)
         self.tokens_BN[rows_A, n_A + 1 + num_acc_A] = next_A
-        emitted_AT = torch.cat((drafts_AK, next_A[:, None]), dim=1)
+        emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
         emitted_AT[torch.arange(A, device=self.device), num_acc_A] = next_A
-        logp_AT = logp_NV.view(A, T, V).gather(-1, emitted_AT[..., None]).squeeze(-1)
+        logp_AT = logp_AV.view(A, T, V).gather(-1, emitted_AT[..., None]).squeeze(-1)
         num_acc = num_acc_A.tolist()
         self.stats.record(num_acc)
         for i, a, toks, lps in zip(

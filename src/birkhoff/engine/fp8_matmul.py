@@ -25,7 +25,7 @@ import os
 import torch
 from torch import Tensor
 
-from birkhoff.refit.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
 
 try:
     import triton

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from birkhoff.engine import fp8_matmul
-from birkhoff.refit.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
+from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
