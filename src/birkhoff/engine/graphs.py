@@ -149,7 +149,7 @@ class GraphPool:
 
     def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
         """Warm up `fn` on the side stream (its effects are the replay's: same inputs), then
-        capture it there. capture_begin/end, not `torch.cuda.graph`, which would collect
+        capture it there. capture_begin/end, not `torch.cuda.graph`, which would also collect
         garbage and empty the allocator cache on every one of the many captures."""
         if self.stream is None:
             self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
@@ -157,6 +157,7 @@ class GraphPool:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.stream):
             fn()
+            torch.cuda.synchronize()  # as torch.cuda.graph: nothing pending when capture begins
             graph.capture_begin(pool=self.pool)
             try:
                 outputs = fn()
