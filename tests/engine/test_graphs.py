@@ -78,6 +78,28 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
         assert any(depth >= 0 for depth, *_ in keys)  # draft steps went through graphs too
 
 
+def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
+    """Emulated graphs over refits whose tensors live in the two alternating buffer banks: a
+    graph set is reused when a commit puts new weights at its captured addresses, and every
+    generate equals a fresh engine's."""
+    models = [copy.deepcopy(trained_model)] + [perturbed(trained_model, s) for s in (1, 2, 3)]
+    engine = Engine.from_model(models[0], max_batch_size=4)
+    engine.graphs = EmulatedPool(4, engine.capacity, engine.rope)
+    params = mixed_params(2)
+    sets_seen = []
+    for model in models[1:] * 2:
+        refit(model, engine, bucket_bytes=1 << 20)  # no tensor spans buckets: served from banks
+        out = engine.generate(PROMPTS, params)
+        ref = Engine.from_model(model, max_batch_size=4).generate(PROMPTS, params)
+        assert [c.tokens for c in out] == [c.tokens for c in ref]
+        sets_seen.append(next(reversed(engine.graphs.sets)))
+    assert len(set(sets_seen)) == 2  # two banks, two graph sets, each reused with new weights
+    captured = engine.graphs.num_captured
+    refit(models[1], engine, bucket_bytes=1 << 20)
+    engine.generate(PROMPTS, params)
+    assert engine.graphs.num_captured == captured  # a later refit captures nothing new
+
+
 def perturbed(model: Transformer, seed: int) -> Transformer:
     other = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
