@@ -156,7 +156,9 @@ def plain_rows(name: str, engine: Engine, args: argparse.Namespace, device: torc
         if device.type == "cuda":
             row["bound_fraction_hbm"] = tps / batch * step_bytes / HBM_BYTES_PER_S
         if busy:
-            row["gpu_busy"] = busy_fraction(engine, prompts, args.new_tokens, device, args.repeats)
+            row["gpu_busy"] = busy_fraction(
+                engine, prompts, args.new_tokens, seconds, device, args.repeats
+            )
         rows.append(row)
         print(f"{name:>10} batch {batch:>4}: {tps:10.1f} tok/s  busy {row.get('gpu_busy')}  "
               f"bound fraction {row['bound_fraction_copy_bw']:.3f}")  # fmt: skip
