@@ -1,10 +1,16 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
-Subcommands: `run`, `train`, `generate`.
+Subcommands: `run`, `train`, `generate`, `consolidate`.
 - `run`: the main job, a supervised warm-up then GRPO with the engine in the loop;
 - `train`: supervised training only;
-- `generate`: complete prompts with a checkpoint.
+- `generate`: complete prompts with a checkpoint;
+- `consolidate`: turn a sharded (torchrun) checkpoint into the single-directory format.
 Benchmarks are scripts in benchmarks/, not subcommands.
+
+`run` and `train` also run data-parallel: `torchrun --nproc-per-node N -m birkhoff run ...`
+starts one process per device (birkhoff.train.distributed). A bad launch (a CPU run asking for
+NCCL, more processes than prompts or rows per step, ranks given different presets or flags, an
+output directory one rank cannot use) stops every rank with the same one-line error.
 
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
 `run_<name>(args) -> int` in `SUBCOMMANDS`, so a new job is one more entry. User errors (unknown
@@ -67,6 +73,48 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="torchrun only: nccl on cuda, gloo on cpu by default")  # fmt: skip
+
+
+def start_job(args: argparse.Namespace, preset: Preset, *, num_items: int, what: str) -> str:
+    """The device of this process; under torchrun, join the process group first.
+
+    Every check either runs alike on every rank (before the group exists) or is agreed on by
+    all ranks (the preset and flags, compared by hash), so a bad launch never hangs.
+    """
+    from birkhoff.train import distributed
+
+    device = resolve_device(args.device)
+    if not distributed.launched_by_torchrun():
+        if args.backend != "auto":
+            raise UsageError(f"--backend {args.backend}: only for runs launched by torchrun")
+        return device
+    try:
+        distributed.resolve_backend(device, args.backend)
+        distributed.check_world_size(int(os.environ["WORLD_SIZE"]), num_items, what)
+        ctx = distributed.init_distributed(device, args.backend)
+        flags = {k: str(v) for k, v in sorted(vars(args).items()) if not callable(v)}
+        distributed.check_same_config(repr(preset) + repr(flags))
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return str(ctx.device)
+
+
+def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
+    from birkhoff.train import distributed
+
+    error = None
+    if distributed.current().is_main:
+        try:
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+        except UsageError as err:
+            error = str(err)
+    try:
+        distributed.agree(error)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,11 +137,11 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     preset = preset.replace(train=train)
-    device = resolve_device(args.device)
-    if device != "cuda" and train.amp_dtype == "bf16":
+    if resolve_device(args.device) != "cuda" and train.amp_dtype == "bf16":
         raise UsageError(f"preset {preset.name!r} trains with bf16 autocast, which needs CUDA; "
-                         f"--device is {device}")  # fmt: skip
-    prepare_out_dir(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
+                         f"--device is {resolve_device(args.device)}")  # fmt: skip
+    device = start_job(args, preset, num_items=train.batch_size, what="batch_size")
+    prepare_on_main(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
 
     import torch
 
@@ -104,9 +152,16 @@ def run_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     summary = run_training(preset, args.out, device=torch.device(device),
                            progress=not args.no_progress)  # fmt: skip
-    for line in summary_lines(summary):
-        print(line)
+    if is_main():
+        for line in summary_lines(summary):
+            print(line)
     return 0
+
+
+def is_main() -> bool:
+    from birkhoff.train.distributed import current
+
+    return current().is_main
 
 
 # ---------------------------------------------------------------------------- generate
@@ -128,8 +183,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from birkhoff.engine import Engine, SamplingParams
     from birkhoff.tokenizer import CharTokenizer
     from birkhoff.train.checkpoint import load_checkpoint
+    from birkhoff.train.dcp import is_sharded_checkpoint
 
     device = resolve_device(args.device)
+    if is_sharded_checkpoint(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "
+                         "consolidate --checkpoint DIR --out NEW_DIR` first")  # fmt: skip
     tok = CharTokenizer()
     try:
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
@@ -201,13 +260,15 @@ def run_run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
-    device = resolve_device(args.device)
+    assert preset.rl is not None
+    device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
     if args.resume:
         if not (out / "checkpoint").is_dir():
             raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
     else:
-        prepare_out_dir(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        if is_main():
+            (out / "metrics.jsonl").unlink(missing_ok=True)
 
     import torch
 
@@ -224,9 +285,10 @@ def run_run(args: argparse.Namespace) -> int:
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
     run.run(stop_after=args.stop_after, progress=not args.no_progress)
-    plot_run(out / "metrics.jsonl", out / "plots.png")
-    for line in run_summary(run.log.rows(), out):
-        print(line)
+    if is_main():
+        plot_run(out / "metrics.jsonl", out / "plots.png")
+        for line in run_summary(run.log.rows(), out):
+            print(line)
     return 0
 
 
@@ -255,6 +317,28 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- consolidate
+
+
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, required=True, help="sharded checkpoint")
+    parser.add_argument("--out", type=Path, required=True, help="new checkpoint directory")
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from birkhoff.train.checkpoint import CheckpointError
+    from birkhoff.train.dcp import consolidate
+
+    if args.out.exists():
+        raise UsageError(f"--out {args.out}: already exists")
+    try:
+        path = consolidate(args.checkpoint, args.out)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from err
+    print(f"consolidated {args.checkpoint} -> {path}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- entry point
 
 SUBCOMMANDS: dict[
@@ -266,6 +350,11 @@ SUBCOMMANDS: dict[
         "supervised warm-up, then GRPO with the engine in the loop",
         add_run_arguments,
         run_run,
+    ),
+    "consolidate": (
+        "write a sharded checkpoint as one safetensors checkpoint",
+        add_consolidate_arguments,
+        run_consolidate,
     ),
 }
 
@@ -287,6 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Leave torchrun's process group, if this process joined one."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Every projection reads its weight from the engine's weight dict by name, so replacing the dict
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
-fp8 and is dequantized to the activation dtype first. Left out (v1): torch._scaled_mm on GPU and
-caching the dequantized weights between calls. `weight` is the same lookup for callers that
-do their own matmuls (the stacked experts of engine/moe.py).
+fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
+`fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
+first. Left out: caching the dequantized weights between calls. `weight` is the lookup with
+dequantization for callers that do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
@@ -26,5 +28,11 @@ def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
-    """x @ W^T with W = weights[name] (dequantized if it has a block scale)."""
+    """x @ W^T with W = weights[name] (block fp8 if it has a scale: fp8 matmul or dequantized)."""
+    w = weights[name]
+    scale_inv = weights.get(name + SCALE_SUFFIX)
+    if scale_inv is None:
+        return F.linear(x, w)
+    if fp8_matmul.supported(x):
+        return fp8_matmul.fp8_linear(x, w, scale_inv)
     return F.linear(x, weight(weights, name, x.dtype))
