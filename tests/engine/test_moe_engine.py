@@ -140,12 +140,18 @@ def test_bf16_engine_keeps_router_tensors_in_fp32(moe_model: Transformer) -> Non
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_moe_engine_matches_trainer_and_runs_bf16(moe_model: Transformer) -> None:
-    """fp32 on CUDA (grouped GEMM experts) gives the CPU trainer's greedy tokens; bf16 runs."""
+    """fp32 on CUDA (eager) gives the CPU trainer's greedy tokens; bf16 (grouped GEMMs) replayed
+    from CUDA graphs gives the tokens of the eager bf16 engine, plain and speculative."""
     cuda_model = Transformer(moe_model.cfg).cuda().eval()
     cuda_model.load_state_dict(moe_model.state_dict())
-    engine = Engine.from_model(cuda_model, device="cuda", max_batch_size=8)
+    engine = Engine.from_model(cuda_model, device="cuda", max_batch_size=8, cuda_graphs=False)
     for prompt, completion in zip(RAGGED, engine.generate(RAGGED, SamplingParams(8)), strict=True):
         assert completion.tokens == naive_greedy(moe_model, prompt, 8)[0]
-    bf16 = Engine.from_model(cuda_model, device="cuda", dtype=torch.bfloat16, max_batch_size=8)
-    spec = bf16.generate(RAGGED, SamplingParams(8, num_speculative_tokens=2))
-    assert all(len(c.tokens) == 8 for c in spec)
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=8)
+    graphs = Engine.from_model(cuda_model, **kw)  # type: ignore[arg-type]
+    eager = Engine.from_model(cuda_model, cuda_graphs=False, **kw)  # type: ignore[arg-type]
+    for k in (0, 2):
+        params = SamplingParams(8, num_speculative_tokens=k)
+        got, want = graphs.generate(RAGGED, params), eager.generate(RAGGED, params)
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert graphs.graphs is not None and graphs.graphs.num_captured > 0
