@@ -5,7 +5,10 @@ Legend: B batch, T tokens, S streams, D model dim, P = S*S + 2S logits.
 Each check runs one loss through the eager path and the fused path on the same inputs and
 compares every output and every gradient (streams x, F's input, phi, alpha, bias).
 Tolerances (fp32): outputs within 2e-5 of max(1, |eager|), gradients within 1e-4 of max(1, |eager|)
-(different summation orders and fp32 Sinkhorn; observed ~1e-7 to 1e-6).
+(different summation orders and fp32 Sinkhorn; observed ~1e-7 to 1e-6). bf16 streams: outputs
+within 2^-6 of max(1, |eager|) (two bf16 ulps at the top of a binade: both paths sum in fp32
+and round once, but a one-ulp difference in F's input moves an output by an ulp), gradients
+within 3e-2.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import Tensor
 from birkhoff.model import hyper
 
 OUT_TOL, GRAD_TOL = 2e-5, 1e-4
+BF16_OUT_TOL, BF16_GRAD_TOL = 2.0**-6, 3e-2
 
 
 @dataclass(frozen=True)
@@ -113,19 +117,24 @@ def assert_close(fused: list[Tensor], eager: list[Tensor], tol: float, what: str
         )
 
 
+def tolerances(dtype: torch.dtype, what: str) -> tuple[float, str]:
+    fp32 = dtype == torch.float32
+    if what == "outputs":
+        return (OUT_TOL if fp32 else BF16_OUT_TOL), what
+    return (GRAD_TOL if fp32 else BF16_GRAD_TOL), what
+
+
 def check_hyper(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
     inp = make_inputs(c, device, dtype)
     out_f, grads_f = hyper_loss(inp, c, "triton")
     out_e, grads_e = hyper_loss(inp, c, "eager")
-    scale = 1.0 if dtype == torch.float32 else 300.0  # bf16: ~8 bits of mantissa
-    assert_close(out_f, out_e, OUT_TOL * scale, "outputs")
-    assert_close(grads_f, grads_e, GRAD_TOL * scale, "grads")
+    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
+    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
 
 
 def check_contraction(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
     inp = make_inputs(c, device, dtype)
     out_f, grads_f = contraction_loss(inp, c, "triton")
     out_e, grads_e = contraction_loss(inp, c, "eager")
-    scale = 1.0 if dtype == torch.float32 else 300.0
-    assert_close(out_f, out_e, OUT_TOL * scale, "outputs")
-    assert_close(grads_f, grads_e, GRAD_TOL * scale, "grads")
+    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
+    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))

@@ -13,12 +13,18 @@ recompute registry) see them.
 Design choices:
 - The projection raw = x @ phi^T (P = 24 at S = 4) runs inside the coefficient kernel, in the
   same pass over x as the RMS (on the unnormalised streams: the RMS scale is a per-token scalar
-  applied to the logits), as an fp32 dot without TF32 so the logits match the eager fp32 ones.
-  A cuBLAS GEMM would need an fp32 copy of bf16 streams and a second read of x. Only x in its
-  own dtype is saved (shared with what the mixes save), never an fp32 copy per sublayer. In the
-  backward one kernel (`rms_grad`) reads x once for g_x = g_raw phi + the RMS term and for
-  g_phi = g_raw^T x, the latter as per-program partials over 512 tokens that torch sums in a
-  fixed order (deterministic, unlike atomics; 12.6 MB at 16k tokens, C = 3072).
+  applied to the logits), on tensor cores: "tf32x3" (three TF32 products, ~fp32 accurate) for
+  bf16/fp16 streams, an fp32 "ieee" dot for fp32 streams, so the fp32 logits match the eager
+  ones. Only x in its own dtype is saved (shared with what the mixes save), never an fp32 copy.
+  In the backward one kernel (`rms_grad`) reads x once for g_x = g_raw phi + the RMS term and for
+  g_phi = g_raw^T x, the latter as per-program partials over `CONFIG["rms_grad"]["TOKENS"]`
+  tokens that torch sums in a fixed order (deterministic, unlike atomics).
+- The mixes tile [BN tokens, BD columns] over a 2-D grid; their reductions over D (g_h, g_post,
+  g_res) come as one partial per D block, summed by torch in a fixed order.
+- Launch parameters live in `CONFIG` (per kernel: tile sizes, num_warps, num_stages), chosen
+  by `benchmarks/mhc_kernels.py --sweep` on an H200 and overridable there. No `triton.autotune`:
+  its first call benchmarks (syncs) inside whatever runs it (a CUDA-graph capture, a compiled
+  region), and a fixed table keeps runs reproducible.
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32
   and cast once to the output dtype (mix_in: the dtype of x; mix_out: promote(x, f)).
 - Inputs are made contiguous (a no-op for the trainer's streams; the expanded embedding is
@@ -33,11 +39,12 @@ import os
 import torch
 from torch import Tensor
 
+from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels import mhc_triton as K
+from birkhoff.kernels.mhc_configs import CONFIG, Launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
-GPHI_TOKENS = 512  # tokens per partial g_phi block (a multiple of 16)
 
 
 def _pow2(n: int) -> int:
@@ -60,11 +67,30 @@ def check_inputs(*tensors: Tensor) -> None:
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
 
 
-def _coeff_blocks(S: int, C: int, P: int) -> tuple[int, int, int, int]:
-    """(SP, PP: S and P padded; BN tokens per program, >= 16 for tl.dot; BC columns per step)."""
-    SP, PP = _pad_streams(S), max(16, _pow2(P))
-    BN = max(16, min(32, 512 // (SP * SP)))
-    return SP, PP, BN, max(16, min(_pow2(C), 4096 // max(BN, PP)))
+def _pads(S: int, P: int) -> tuple[int, int]:
+    """(SP, PP): S padded to a power of two >= 2, P to a power of two >= 16 (tl.dot)."""
+    return _pad_streams(S), max(16, _pow2(P))
+
+
+def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
+    """CONFIG[name] (its "_fp32" entry for fp32 streams) for S streams, tuned at S = 4: for
+    S > 4 the coefficient kernels' token block shrinks (their Sinkhorn state is BN x SP x SP),
+    and so do rms_grad's blocks (g_phi accumulator PP x BC, g_raw BN x PP)."""
+    fp32 = x is not None and x.dtype == torch.float32 and f"{name}_fp32" in CONFIG
+    cfg = dict(CONFIG[f"{name}_fp32" if fp32 else name])
+    if name.startswith("coeff"):
+        cfg["BN"] = max(16, int(cfg["BN"]) * 16 // max(16, _pad_streams(S) ** 2))
+    if name == "rms_grad":  # its g_phi accumulator is PP x BC, g_raw BN x PP
+        shrink = max(32, _pads(S, S * S + 2 * S)[1]) // 32
+        cfg["BC"], cfg["BN"] = (max(16, int(cfg[k]) // shrink) for k in ("BC", "BN"))
+    return cfg
+
+
+def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
+    """phi transposed and zero-padded to [C, PP] in fp32 (coalesced, unmasked kernel loads)."""
+    phit_CP = phi_PC.new_zeros((phi_PC.shape[1], PP), dtype=torch.float32)
+    phit_CP[:, : phi_PC.shape[0]] = phi_PC.t()
+    return phit_CP
 
 
 @torch.library.custom_op("birkhoff::mhc_coefficients", mutates_args=())
@@ -76,12 +102,12 @@ def _coefficients_op(
     pre, post, res, raw_BTP, rstd = _coefficients_fake(x_BTSD, phi_PC, with_res)
     S, D = x_BTSD.shape[-2:]
     N, C, P = rstd.numel(), S * D, phi_PC.shape[0]
-    SP, PP, BN, BC = _coeff_blocks(S, C, P)
+    (SP, PP), cfg = _pads(S, P), _launch("coeff_fwd", x_BTSD, S)
     if N:
-        K.coeff_fwd[(_cdiv(N, BN),)](
-            x_BTSD, phi_PC.float().contiguous(), raw_BTP, alpha, bias_P, pre, post, res, rstd,
-            N, C, norm_eps, eps, iters,
-            S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, BN=BN, BC=BC,
+        K.coeff_fwd[(_cdiv(N, int(cfg["BN"])),)](
+            x_BTSD, _phi_t(phi_PC, PP), raw_BTP, alpha, bias_P,
+            pre, post, res, rstd, N, C, norm_eps, eps, iters,
+            S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, **cfg,
         )  # fmt: skip
     return pre, post, res, raw_BTP, rstd
 
@@ -115,20 +141,21 @@ def _coefficients_bwd_op(
     N, C, P = rstd_BT.numel(), S * D, phi_PC.shape[0]
     g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
     coef_BT = torch.empty_like(rstd_BT)
-    SP, PP, BN, _ = _coeff_blocks(S, C, P)
     g_x = torch.empty_like(x_BTSD)
-    g_phi = torch.zeros_like(phi_PC)
     if not N:
-        return g_x, g_phi, g_a
-    K.coeff_bwd[(_cdiv(N, BN),)](
-        raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT,
-        N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, BN=BN,
+        return g_x, torch.zeros_like(phi_PC), g_a
+    (SP, PP), cfg = _pads(S, P), _launch("coeff_bwd", x_BTSD, S)
+    scratch = raw_BTP.new_empty((N, 2 * iters, SP) if with_res else (1,))  # Sinkhorn denominators
+    K.coeff_bwd[(_cdiv(N, int(cfg["BN"])),)](
+        raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT, scratch,
+        N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
     )  # fmt: skip
-    BC = max(16, min(128, 4096 // PP))
-    partials = g_raw.new_empty((_cdiv(N, GPHI_TOKENS), PP, C))  # g_phi per block of tokens
-    K.rms_grad[(partials.shape[0], _cdiv(C, BC))](
-        g_raw, phi_PC.float().contiguous(), x_BTSD, coef_BT, g_x, partials, N, C, GPHI_TOKENS,
-        P=P, PP=PP, BN=16, BC=BC, num_warps=8,
+    cfg = _launch("rms_grad", x_BTSD)
+    tokens = int(cfg.pop("TOKENS"))
+    partials = g_raw.new_empty((_cdiv(N, tokens), PP, C))  # g_phi per block of tokens
+    K.rms_grad[(partials.shape[0], _cdiv(C, int(cfg["BC"])))](
+        g_raw, phi_PC.float().contiguous(), x_BTSD, coef_BT, g_x, partials, N, C, tokens,
+        P=P, PP=PP, **cfg,
     )  # fmt: skip
     g_phi = partials.sum(0)[:P].to(phi_PC.dtype)
     return g_x, g_phi, g_a
@@ -203,18 +230,27 @@ def contraction_weights(
 # their outputs are fresh tensors, never views: recompute records them as activations.
 
 
-def _mix_in_block(S: int, D: int) -> tuple[int, int]:
-    SP = _pad_streams(S)
-    return SP, max(16, min(_pow2(D), 2048 // SP))
+def _mix_grid(N: int, S: int, D: int) -> tuple[tuple[int, int], dict[str, int]]:
+    """(grid: token blocks x D blocks, launch parameters) of the mix kernels (tuned at S = 4)."""
+    cfg = {k: int(v) for k, v in CONFIG["mix"].items()}
+    cfg["BD"] = min(cfg["BD"], max(16, _pow2(D)))
+    cfg["BN"] = max(1, cfg["BN"] * 4 // max(4, _pow2(S)))  # S tiles live at once
+    return (_cdiv(N, cfg["BN"]), _cdiv(D, cfg["BD"])), cfg
+
+
+def _sum_parts(parts: Tensor) -> Tensor:
+    """Sum of the per-D-block partials [ND, ...] in a fixed order (no copy when ND = 1)."""
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0)
 
 
 @torch.library.custom_op("birkhoff::mhc_mix_in", mutates_args=())
 def _mix_in_op(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
     S, D = x_BTSD.shape[-2:]
     y_BTD = x_BTSD.new_empty((*x_BTSD.shape[:-2], D))
-    SP, BD = _mix_in_block(S, D)
+    N = h_BTS.numel() // S
+    grid, cfg = _mix_grid(N, S, D)
     if y_BTD.numel():
-        K.mix_in_fwd[(h_BTS.numel() // S,)](x_BTSD, h_BTS, y_BTD, D, S=S, SP=SP, BD=BD)
+        M.mix_in_fwd[grid](x_BTSD, h_BTS, y_BTD, N, D, S=S, **cfg)
     return y_BTD
 
 
@@ -226,11 +262,14 @@ def _(x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("birkhoff::mhc_mix_in_bwd", mutates_args=())
 def _mix_in_bwd_op(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> tuple[Tensor, Tensor]:
     S, D = x_BTSD.shape[-2:]
-    g_x, g_h = torch.empty_like(x_BTSD), torch.empty_like(h_BTS)
-    SP, BD = _mix_in_block(S, D)
-    if g_x.numel():
-        K.mix_in_bwd[(h_BTS.numel() // S,)](g_BTD, x_BTSD, h_BTS, g_x, g_h, D, S=S, SP=SP, BD=BD)
-    return g_x, g_h
+    g_x = torch.empty_like(x_BTSD)
+    N = h_BTS.numel() // S
+    grid, cfg = _mix_grid(N, S, D)
+    if not g_x.numel():
+        return g_x, torch.zeros_like(h_BTS)
+    parts = h_BTS.new_empty((grid[1], *h_BTS.shape))
+    M.mix_in_bwd[grid](g_BTD, x_BTSD, h_BTS, g_x, parts, N, D, S=S, **cfg)
+    return g_x, _sum_parts(parts)
 
 
 @_mix_in_bwd_op.register_fake
@@ -258,20 +297,14 @@ def mix_in(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
 # ---- mix out: y_k = h_post[k] f + sum_j h_res[j, k] x_j ---------------------------------------
 
 
-def _mix_out_block(S: int, D: int) -> tuple[int, int]:
-    SP = _pad_streams(S)
-    return SP, max(16, min(_pow2(D), 4096 // (SP * SP)))
-
-
 @torch.library.custom_op("birkhoff::mhc_mix_out", mutates_args=())
 def _mix_out_op(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor) -> Tensor:
     S, D = x_BTSD.shape[-2:]
     y_BTSD = torch.empty_like(x_BTSD, dtype=torch.promote_types(x_BTSD.dtype, f_BTD.dtype))
-    SP, BD = _mix_out_block(S, D)
+    N = post_BTS.numel() // S
+    grid, cfg = _mix_grid(N, S, D)
     if y_BTSD.numel():
-        K.mix_out_fwd[(post_BTS.numel() // S,)](
-            x_BTSD, f_BTD, post_BTS, res_BTSS, y_BTSD, D, S=S, SP=SP, BD=BD
-        )
+        M.mix_out_fwd[grid](x_BTSD, f_BTD, post_BTS, res_BTSS, y_BTSD, N, D, S=S, **cfg)
     return y_BTSD
 
 
@@ -286,13 +319,17 @@ def _mix_out_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     S, D = x_BTSD.shape[-2:]
     g_x, g_f = torch.empty_like(x_BTSD), torch.empty_like(f_BTD)
-    g_post, g_res = torch.empty_like(post_BTS), torch.empty_like(res_BTSS)
-    SP, BD = _mix_out_block(S, D)
-    if g_x.numel():
-        K.mix_out_bwd[(post_BTS.numel() // S,)](
-            g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, g_post, g_res, D,
-            S=S, SP=SP, BD=BD,
-        )  # fmt: skip
+    N = post_BTS.numel() // S
+    grid, cfg = _mix_grid(N, S, D)
+    if not g_x.numel():
+        return g_x, g_f.zero_(), torch.zeros_like(post_BTS), torch.zeros_like(res_BTSS)
+    parts_post = post_BTS.new_empty((grid[1], *post_BTS.shape))
+    parts_res = res_BTSS.new_empty((grid[1], *res_BTSS.shape))
+    M.mix_out_bwd[grid](
+        g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, parts_post, parts_res, N, D,
+        S=S, **cfg,
+    )  # fmt: skip
+    g_post, g_res = _sum_parts(parts_post), _sum_parts(parts_res)
     return g_x, g_f, g_post, g_res
 
 
