@@ -71,15 +71,23 @@ def make_inputs(c: Case, device: str, dtype: torch.dtype) -> dict[str, Tensor]:
     return {k: v.to(device=device, dtype=dtype) for k, v in named.items()}
 
 
-def hyper_loss(inp: dict[str, Tensor], c: Case, kernels: str) -> tuple[list[Tensor], list[Tensor]]:
-    """Outputs (H_pre, H_post, H_res, mix_in, mix_out) and grads of a loss touching all of them."""
+def hyper_loss(
+    inp: dict[str, Tensor], c: Case, kernels: str, joint: bool = False
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Outputs (H_pre, H_post, H_res, mix_in, mix_out) and grads of a loss touching all of them;
+    joint: coefficients and mix in through `coefficients_and_mix_in` (one op when fused)."""
     leaves = [inp[k].detach().clone().requires_grad_(True) for k in ("x", "phi", "alpha", "bias")]
     x, phi, alpha, bias = leaves
     f_in = inp["f_in"].detach().clone().requires_grad_(True)
-    pre, post, res = hyper.mhc_coefficients(
-        x, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
-    )
-    h = hyper.mix_in(x, pre, kernels=kernels)
+    if joint:
+        h, pre, post, res = hyper.coefficients_and_mix_in(
+            x, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+    else:
+        pre, post, res = hyper.mhc_coefficients(
+            x, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+        h = hyper.mix_in(x, pre, kernels=kernels)
     f = torch.tanh(h + f_in)  # a sublayer that depends on the mix-in
     y = hyper.mix_out(x, f, post, res, kernels=kernels)
     S = c.S
@@ -124,9 +132,11 @@ def tolerances(dtype: torch.dtype, what: str) -> tuple[float, str]:
     return (GRAD_TOL if fp32 else BF16_GRAD_TOL), what
 
 
-def check_hyper(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
+def check_hyper(
+    c: Case, device: str, dtype: torch.dtype = torch.float32, joint: bool = False
+) -> None:
     inp = make_inputs(c, device, dtype)
-    out_f, grads_f = hyper_loss(inp, c, "triton")
+    out_f, grads_f = hyper_loss(inp, c, "triton", joint)
     out_e, grads_e = hyper_loss(inp, c, "eager")
     assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
     assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))

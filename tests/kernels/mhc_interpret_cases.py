@@ -23,6 +23,11 @@ def test_hyper_fused_matches_eager(case: Case) -> None:
     check_hyper(case, "cpu")
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 7, 10, 11)], ids=case_id)
+def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
+    check_hyper(case, "cpu", joint=True)
+
+
 def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
 
@@ -30,11 +35,13 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     monkeypatch.setitem(mhc.CONFIG, "rms_grad", rms)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
+    check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_contraction(Case(S=2, D=40, B=2, T=17), "cpu")
 
 
 def test_bf16_streams_match_eager() -> None:
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
     check_contraction(Case(S=4, D=40, B=2, T=9), "cpu", torch.bfloat16)
 
 
@@ -42,8 +49,8 @@ def test_bf16_streams_match_eager() -> None:
 def test_every_sweep_variant_matches_eager(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for key, entry in SWEEP[variant].items():
         monkeypatch.setitem(CONFIG, key, entry)
-    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
-    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu")
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", joint=True)
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=case_id)
@@ -63,7 +70,7 @@ def _op_args(S: int = 4, D: int = 5, N: int = 3) -> dict[str, tuple]:
     pre, post = torch.rand(N, S, generator=g), torch.rand(N, S, generator=g)
     res = torch.rand(N, S, S, generator=g)
     return {
-        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, True, 1e-6, 1e-6),
         "mhc_mix_in": (x.view(N, S, D), pre),
         "mhc_mix_out": (x.view(N, S, D), f, post, res),
     }

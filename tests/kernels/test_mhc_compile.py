@@ -63,7 +63,7 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
     """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG."""
     import torch
 
-    from birkhoff.kernels import mhc
+    from birkhoff.kernels import mhc, mhc_mix
     from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
 
@@ -73,7 +73,8 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
             "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
             "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr")  # fmt: skip
     types = {n: f32 for n in ptrs} | {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr")}
-    types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", TOKENS="i32", iters="i32")
+    types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
+    types |= dict(iters="i32")
     types |= dict(norm_eps="fp32", hc_eps="fp32")
     usage = {}
     for P in (S * S + 2 * S, S):
@@ -86,11 +87,15 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("rms_grad", x, S))
-        consts = dict(P=P, PP=PP) | const
-        usage[f"rms_grad/{P}"] = compile_for_h200(K.rms_grad, types, consts, launch)
-    const, launch = split(mhc._mix_grid(1, S, 768)[1])
-    for kernel in (M.mix_in_fwd, M.mix_in_bwd, M.mix_out_fwd, M.mix_out_bwd):
+        for mix in (True, False):
+            consts = dict(P=P, PP=PP, MIX=mix) | const
+            usage[f"rms_grad/{P}/{mix}"] = compile_for_h200(K.rms_grad, types, consts, launch)
+    const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
+    for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
+    for write in (True, False):
+        consts = dict(S=S, WRITE_GX=write) | const
+        usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
     return usage
 
 

@@ -47,16 +47,18 @@ def mix_in_fwd(
 @triton.jit
 def mix_in_bwd(
     gy_ptr, x_ptr, h_ptr, gx_ptr, gh_ptr, N, D,
-    S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    S: tl.constexpr, WRITE_GX: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    """gh_ptr: [ND, N, S] partials."""
+    """gh_ptr: [ND, N, S] partials; g_x only if WRITE_GX (else the coefficient backward adds
+    h g_y to its own g_x)."""
     n64, n_ok, d, ok = _tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     gy = tl.load(gy_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     part = gh_ptr + (tl.program_id(1).to(tl.int64) * N + n64) * S
     for j in tl.static_range(S):
         h = tl.load(h_ptr + n64 * S + j, mask=n_ok, other=0.0)
-        tl.store(gx_ptr + row + j * D, (h[:, None] * gy).to(gx_ptr.dtype.element_ty), mask=ok)
+        if WRITE_GX:
+            tl.store(gx_ptr + row + j * D, (h[:, None] * gy).to(gx_ptr.dtype.element_ty), mask=ok)
         xv = tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
         tl.store(part + j, tl.sum(xv * gy, axis=1), mask=n_ok)
 

@@ -17,8 +17,9 @@ PP: P padded to a power of two (>= 16).
   normalisation k is the state after it times its denominators, so no state is stored and
   nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
   rounding).
-- `rms_grad`: reads x once more for g_x = g_raw @ phi + that term and for g_phi = g_raw^T @ x
-  (per-program partials, summed by the caller), both dots on tensor cores with PREC.
+- `rms_grad`: reads x once more for g_x = g_raw @ phi + that term (+ the mix in's h g_y when
+  the op also mixed in, so g_x is written once) and for g_phi = g_raw^T @ x (per-program
+  partials, summed by the caller), both dots on tensor cores with PREC.
 Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
 """
 
@@ -196,11 +197,13 @@ def coeff_bwd(
 
 @triton.jit
 def rms_grad(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, N, C, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, gy_ptr, h_ptr, N, C, D, S, TOKENS,
+    P: tl.constexpr, PP: tl.constexpr, MIX: tl.constexpr, PREC: tl.constexpr,
+    BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One read of x for both input-side gradients of the projection and the RMS scale:
-    g_x = g_raw @ phi + coef * x (written once in the dtype of x) and this program's share of
+    g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX; column
+    c is stream j = c // D), written once in the dtype of x, and this program's share of
     g_phi = g_raw^T @ x over its TOKENS tokens (a partial [PP, BC] block; the caller sums the
     partials in a fixed order, so g_phi is deterministic)."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -219,6 +222,10 @@ def rms_grad(
         coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
         xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         g = tl.dot(g_raw, phi, input_precision=PREC) + coef[:, None] * xv
+        if MIX:
+            h = tl.load(h_ptr + n.to(tl.int64)[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
+            gy_at = gy_ptr + n.to(tl.int64)[:, None] * D + (c % D)[None, :]
+            g += h * tl.load(gy_at, mask=ok, other=0.0).to(tl.float32)
         tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
         acc = tl.dot(tl.trans(g_raw), xv, acc, input_precision=PREC)
     part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
