@@ -27,7 +27,9 @@ CONFIG: dict[str, Launch] = {
 
 # variant name -> {CONFIG key: entry replacing CONFIG[key]}, timed by the sweep one at a time.
 SWEEP: dict[str, dict[str, Launch]] = {
-    "coeff_fwd/BN128-BC64-w8-s3": {"coeff_fwd": dict(CONFIG["coeff_fwd"], BN=128, num_warps=8)},
+    "coeff_fwd/BN128-BC32-w8-s3": {
+        "coeff_fwd": dict(CONFIG["coeff_fwd"], BN=128, BC=32, num_warps=8)
+    },
     "coeff_fwd/BN64-BC32-w4-s4": {"coeff_fwd": dict(CONFIG["coeff_fwd"], BC=32, num_stages=4)},
     "coeff_fwd/BN32-BC64-w4-s3": {"coeff_fwd": dict(CONFIG["coeff_fwd"], BN=32)},
     "coeff_fwd/tf32": {"coeff_fwd": dict(CONFIG["coeff_fwd"], PREC="tf32")},
@@ -39,7 +41,7 @@ SWEEP: dict[str, dict[str, Launch]] = {
     "rms_grad/TOKENS1024": {"rms_grad": dict(CONFIG["rms_grad"], TOKENS=1024)},
     "rms_grad/tf32": {"rms_grad": dict(CONFIG["rms_grad"], PREC="tf32")},
     "mix/BN4-BD256": {"mix": dict(CONFIG["mix"], BN=4)},
-    "mix/BN16-BD256-w8": {"mix": dict(CONFIG["mix"], BN=16, num_warps=8)},
+    "mix/BN16-BD128-w8": {"mix": dict(CONFIG["mix"], BN=16, BD=128, num_warps=8)},
     "mix/BN4-BD512-w4": {"mix": dict(CONFIG["mix"], BN=4, BD=512)},
     "mix/BN2-BD1024-w8": {"mix": dict(CONFIG["mix"], BN=2, BD=1024, num_warps=8)},
     "mix/BN8-BD128-w4": {"mix": dict(CONFIG["mix"], BD=128)},
