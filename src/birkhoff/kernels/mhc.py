@@ -4,7 +4,8 @@ Legend: B batch, T tokens (any leading shape works), S streams, D model dim, C =
 P coefficient logits.
 
 Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments, same outputs):
-`mhc_coefficients`, `contraction_weights`, `mix_in`, `mix_out`. Each is a
+`mhc_coefficients`, `coefficients_and_mix_in`, `contraction_weights`, `contract`, and (from
+`mhc_mix`) `mix_in`, `mix_out`. Each runs a
 `torch.library.custom_op` (`birkhoff::mhc_*`) with `register_autograd` and a fake impl, so
 torch.compile traces through them without a graph break, and its backward is a custom op too.
 Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tensor hooks (the
@@ -19,10 +20,12 @@ Design choices:
   In the backward one kernel (`rms_grad`) reads x once for g_x = g_raw phi + the RMS term and for
   g_phi = g_raw^T x, the latter as per-program partials over `CONFIG["rms_grad"]["TOKENS"]`
   tokens that torch sums in a fixed order (deterministic, unlike atomics).
-- The mixes tile [BN tokens, BD columns] over a 2-D grid; their reductions over D (g_h, g_post,
-  g_res) come as one partial per D block, summed by torch in a fixed order.
-- Launch parameters live in `CONFIG` (per kernel: tile sizes, num_warps, num_stages), chosen
-  by `benchmarks/mhc_kernels.py --sweep` on an H200 and overridable there. No `triton.autotune`:
+- One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
+  backward folds g_y into g_H_pre and adds H_pre g_y to rms_grad's g_x, so x's gradient from the
+  coefficients and the mix in is written once.
+- Launch parameters live in `mhc_configs.CONFIG` (per kernel: tile sizes, num_warps,
+  num_stages), read at every call; `benchmarks/mhc_sweep.py` times the variants on an H200
+  and prints the fastest table. No `triton.autotune`:
   its first call benchmarks (syncs) inside whatever runs it (a CUDA-graph capture, a compiled
   region), and a fixed table keeps runs reproducible.
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32

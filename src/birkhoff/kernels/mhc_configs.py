@@ -9,7 +9,7 @@ dots. Every entry here and in `SWEEP` compiles for sm_90 without register spills
 (tests/kernels/test_mhc_compile.py) and matches the eager path under the Triton interpreter.
 
 The defaults were picked by register/spill counts from ptxas, pending the H200 sweep
-(`python benchmarks/mhc_kernels.py --device cuda --sweep`), which times every `SWEEP` variant.
+(`python benchmarks/mhc_sweep.py`), which times every `SWEEP` variant.
 """
 
 from __future__ import annotations

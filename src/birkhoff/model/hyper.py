@@ -18,7 +18,8 @@ Design choices:
 - The functions here are the eager reference and the CPU path. Each takes `kernels`
   ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
   `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere. Callers that pass
-  nothing (the engine) get "auto".
+  nothing (the engine) get "auto". `HyperConnection` calls `coefficients_and_mix_in`, which the
+  fused path runs as one op (the streams' gradient written once for both).
 - The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
   home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
   Zero biases would start from maximal mixing (H_res uniform).
