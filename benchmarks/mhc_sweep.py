@@ -39,7 +39,7 @@ from torch import Tensor
 from birkhoff.kernels import mhc_configs
 
 OPS_OF_KEY = {  # CONFIG key -> (op, backward) pairs whose time it changes
-    "coeff_fwd": [("coefficients", False), ("coefficients", True)],
+    "coeff_fwd": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
     "coeff_bwd": [("coefficients", True)],
     "rms_grad": [("coefficients", True)],
     "mix": [("mix_in", False), ("mix_in", True), ("mix_out", False), ("mix_out", True)],
@@ -114,7 +114,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         try:
             ops = sorted({n for n, _ in OPS_OF_KEY[key]} | {"sublayer"})
             diff = max(max_rel_diff(outputs(table[n], leaves), reference[n]) for n in ops)
-            ms = time_ops(OPS_OF_KEY[key] + SUBLAYER, table, leaves, args.repeats)
+            ms = time_ops(sorted(set(OPS_OF_KEY[key] + SUBLAYER)), table, leaves, args.repeats)
         finally:
             mhc_configs.CONFIG.clear()
             mhc_configs.CONFIG.update(default)

@@ -51,6 +51,7 @@ def test_every_sweep_variant_matches_eager(variant: str, monkeypatch: pytest.Mon
         monkeypatch.setitem(CONFIG, key, entry)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", joint=True)
+    check_contraction(Case(S=4, D=40, B=2, T=9), "cpu")
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=case_id)

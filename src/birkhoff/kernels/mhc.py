@@ -98,13 +98,14 @@ def _coefficients_op(
     S, D = x_BTSD.shape[-2:]
     N, C, P = rstd.numel(), S * D, phi_PC.shape[0]
     (SP, PP), cfg = _pads(S, P), _launch("coeff_fwd", x_BTSD, S)
+    cfg["MIX_IN"] = int(with_mix and bool(cfg["MIX_IN"]))  # else the mix-in kernel runs after
     if N:
         K.coeff_fwd[(cdiv(N, int(cfg["BN"])),)](
             x_BTSD, _phi_t(phi_PC, PP), raw_BTP, alpha, bias_P,
-            pre, post, res, rstd, N, C, norm_eps, eps, iters,
+            pre, post, res, rstd, y_BTD if cfg["MIX_IN"] else rstd, N, C, D, norm_eps, eps, iters,
             S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, **cfg,
         )  # fmt: skip
-    if N and with_mix:
+    if N and with_mix and not cfg["MIX_IN"]:
         mix_in_into(y_BTD, x_BTSD, pre)
     return pre, post, res, y_BTD, raw_BTP, rstd
 

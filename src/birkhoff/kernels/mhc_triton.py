@@ -98,11 +98,14 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phit_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
-    N, C, norm_eps, hc_eps, iters,
+    x_ptr, phit_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr, y_ptr,
+    N, C, D, norm_eps, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
     WITH_RES: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    MIX_IN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
+    """MIX_IN: also y = sum_j H_pre[j] x_j [N, D], re-reading this program's rows of x (just
+    streamed, so partly from L2) in [BN, BD] tiles."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -127,7 +130,8 @@ def coeff_fwd(
     raw_row = raw_ptr + n64[:, None] * P
     a_pre = tl.load(alpha_ptr) * (tl.load(raw_row + s, mask=vec_ok, other=0.0) * rstd[:, None])
     a_pre += tl.load(bias_ptr + s, mask=s < S, other=0.0)
-    tl.store(pre_ptr + n64[:, None] * S + s, tl.sigmoid(a_pre) + hc_eps, mask=vec_ok)
+    h_pre = tl.sigmoid(a_pre) + hc_eps
+    tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=vec_ok)
     if WITH_RES:
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
@@ -138,6 +142,16 @@ def coeff_fwd(
         a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
         m = _state_before(a_res, valid, 2 * iters, hc_eps)
         tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
+    if MIX_IN:
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            ok = n_ok[:, None] & (d < D)[None, :]
+            y = tl.zeros([BN, BD], dtype=tl.float32)
+            for j in tl.static_range(S):
+                h = tl.sum(tl.where(s == j, h_pre, 0.0), axis=1)
+                xv = tl.load(x_ptr + n64[:, None] * C + j * D + d[None, :], mask=ok, other=0.0)
+                y += h[:, None] * xv.to(tl.float32)
+            tl.store(y_ptr + n64[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
