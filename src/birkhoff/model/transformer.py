@@ -79,7 +79,7 @@ class Transformer(nn.Module):
 
     def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
         positions_BT = torch.arange(T, device=device)[None, :]
-        return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, cfg=self.cfg)
 
     def run_checkpointed(self, fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
         """Run `fn(*args)`, under recompute when the config asks for it (`name` labels it)."""
