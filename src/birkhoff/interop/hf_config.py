@@ -1,4 +1,4 @@
-"""HuggingFace config.json <-> ModelConfig for the dense Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""HF config.json <-> ModelConfig for the dense Llama family (Llama, Mistral, Qwen2, Qwen3).
 
 Design choices:
 - Every HF option either maps to a ModelConfig field or is checked to have the value that the

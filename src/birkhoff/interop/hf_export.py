@@ -31,9 +31,14 @@ from birkhoff.interop.hf_config import hf_config_from_model, model_config_from_h
 from birkhoff.interop.hf_import import HF_CONFIG_FILE, TOKENIZER_FILES, hf_name
 from birkhoff.interop.streaming import SINGLE_FILE, StreamingWriter, TensorSpec, dtype_of_name
 from birkhoff.train.checkpoint import (
-    CONFIG_FILE, MODEL_FILE, CheckpointError, commit_dir, parse_config, read_manifest,
+    CONFIG_FILE,
+    MODEL_FILE,
+    CheckpointError,
+    commit_dir,
+    parse_config,
+    read_manifest,
     read_verified,
-)  # fmt: skip
+)
 
 CHUNK_BYTES = 1 << 24
 

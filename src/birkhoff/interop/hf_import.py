@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,26 @@ from birkhoff.interop.streaming import SafetensorsSource, StreamingWriter, Tenso
 from birkhoff.interop.upcycle import hyper_tensor, is_upcycled, mtp_built_tensor, mtp_source
 from birkhoff.model.transformer import Transformer
 from birkhoff.train.checkpoint import (
-    CONFIG_FILE, FORMAT_VERSION, MANIFEST_FILE, META_FILE, MODEL_FILE, RNG_FILE,
-    capture_rng_state, commit_dir, torch_bytes,
-)  # fmt: skip
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    META_FILE,
+    MODEL_FILE,
+    RNG_FILE,
+    capture_rng_state,
+    commit_dir,
+    torch_bytes,
+)
 
 HF_CONFIG_FILE = "hf_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn.wq.weight",
@@ -135,18 +149,20 @@ def plan_tensors(
     shapes, aliases = expected_specs(cfg)
     mapped = map_source(source, cfg)
     embed_dtype = source.spec(mapped["embed.weight"]).dtype if "embed.weight" in mapped else None
-    plan, producers, missing = [], {}, []
+    plan: list[tuple[str, TensorSpec]] = []
+    producers: dict[str, Producer] = {}
+    missing: list[str] = []
     for name, shape in shapes.items():
         copied = mapped.get(mtp_source(cfg, name) or name)
         if copied is not None:
             spec = source.spec(copied)
-            producers[name] = lambda src=copied: source.get(src)
+            producers[name] = partial(source.get, copied)
         elif is_upcycled(name):
             spec = TensorSpec(shape, torch.float32)
-            producers[name] = lambda n=name: hyper_tensor(cfg, n)
+            producers[name] = partial(hyper_tensor, cfg, name)
         elif name.startswith("mtp.") and embed_dtype is not None:
             spec = TensorSpec(shape, embed_dtype)
-            producers[name] = lambda n=name, d=embed_dtype: mtp_built_tensor(cfg, n, d)
+            producers[name] = partial(mtp_built_tensor, cfg, name, embed_dtype)
         else:
             missing.append(hf_name(name) or name)
             continue
@@ -212,9 +228,9 @@ def import_hf(
     )
     source = SafetensorsSource(src)
     plan, producers, aliases = plan_tensors(cfg, source)
+    extra = {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}
     meta = {"format": FORMAT_VERSION, "step": 0, "aliases": aliases, "has_optimizer": False,
-            "torch": torch.__version__,
-            "extra": {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}}  # fmt: skip
+            "torch": torch.__version__, "extra": extra}  # fmt: skip
 
     def write_model(tmp: Path) -> tuple[int, str]:
         writer = StreamingWriter(tmp / MODEL_FILE, plan)

@@ -123,7 +123,7 @@ class StreamingWriter:
         assert name == expected_name, f"wrote {name}, planned {expected_name}"
         assert (tuple(tensor.shape), tensor.dtype) == spec, f"{name}: {tensor.shape} {spec}"
         flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._write(memoryview(flat.numpy()))
+        self._write(flat.numpy().data)
         self.next += 1
 
     def close(self) -> tuple[int, str]:
