@@ -1,0 +1,1 @@
+"""Verifiable tasks: problems, prompts, rewards, supervised batches."""
