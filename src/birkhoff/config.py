@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 RecomputeMode = Literal["none", "full"]
 ReclaimMode = Literal["safe", "always", "never"]
-RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 
 
 def check(cond: bool, field: str, value: object, why: str) -> None:
@@ -63,6 +62,7 @@ class ModelConfig:
     reclaim: ReclaimMode = "safe"
 
     def __post_init__(self) -> None:
+        check_llama_options(self)
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
@@ -96,7 +96,6 @@ class ModelConfig:
             self.reclaim,
             "safe | always | never",
         )
-        check_llama_options(self)
 
     @property
     def head_dim(self) -> int:
@@ -127,6 +126,10 @@ class ModelConfig:
         return cls(**data)
 
 
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3", "yarn")
+
+
 def check_llama_options(cfg: ModelConfig) -> None:
     """Validate the Llama-family option group of ModelConfig (attention extras, rope scaling)."""
     for name in ("qkv_bias", "attn_out_bias", "qk_norm", "rope_truncate"):
@@ -149,6 +152,3 @@ def check_llama_options(cfg: ModelConfig) -> None:
     if scaling != "yarn":
         check(cfg.rope_attention_factor == 1.0, "rope_attention_factor",
               cfg.rope_attention_factor, "only rope_scaling='yarn' scales cos/sin")  # fmt: skip
-
-
-ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3", "yarn")
