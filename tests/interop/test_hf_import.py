@@ -124,3 +124,39 @@ def test_checkpoint_keeps_dtypes_and_carries_the_hf_files(tmp_path: Path) -> Non
         assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (not a mapping); tied: stored once, aliased in meta.json
     loaded = load_checkpoint(tmp_path / "ckpt")
     assert loaded.model.lm_head.weight is loaded.model.embed.weight
+
+
+def test_published_config_layouts() -> None:
+    """config.json as Llama 3.2, Qwen2.5 and Mistral 7B v0.1 publish them (pre-5 rope layout)."""
+    llama32 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+               "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+               "hidden_act": "silu", "max_position_embeddings": 131072, "mlp_bias": False,
+               "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+               "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+               "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "eos_token_id": [128001, 128008, 128009]}  # fmt: skip
+    cfg = model_config_from_hf(llama32, max_seq_len=4096)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len) == (
+        "llama3",
+        32.0,
+        8192,
+    )
+    assert (cfg.rope_theta, cfg.tie_embeddings, cfg.head_dim, cfg.kv_heads) == (5e5, True, 64, 8)
+    qwen25 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+              "max_window_layers": 21, "rms_norm_eps": 1e-06, "rope_scaling": None,
+              "rope_theta": 1000000.0, "sliding_window": 32768, "use_sliding_window": False,
+              "tie_word_embeddings": True}  # fmt: skip
+    cfg = model_config_from_hf(qwen25)
+    assert cfg.qkv_bias and not cfg.attn_out_bias and cfg.head_dim == 64
+    assert (cfg.rope_scaling, cfg.max_seq_len) == ("none", 32768)
+    mistral = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 32768,
+               "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096}  # fmt: skip
+    assert model_config_from_hf(mistral).max_seq_len == 4096
+    with pytest.raises(ValueError, match="max_seq_len=8192"):
+        model_config_from_hf(mistral, max_seq_len=8192)
