@@ -95,3 +95,16 @@ def test_template_from_jinja_file(tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ eos_token }}")
     tok = HFTokenizer.from_dir(tmp_path)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi</s>"
+
+
+def test_jsonl_lengths_are_checked_in_tokens(tmp_path: Path) -> None:
+    from birkhoff.tasks.jsonl import DataError, load_jsonl_tasks
+
+    tok = HFTokenizer.from_dir(write_tokenizer(tmp_path / "tok", CONFIG))
+    lines = [json.dumps({"prompt": "the quick brown fox", "answer": "dog"})] * 3
+    lines.append(json.dumps({"prompt": "Zebra " * 20, "answer": "x"}))
+    (tmp_path / "d.jsonl").write_text("\n".join(lines))
+    with pytest.raises(DataError, match=r"d\.jsonl:4: \d+ tokens with bos/eos > max_seq_len=16"):
+        load_jsonl_tasks(tmp_path / "d.jsonl", tokenizer=tok, max_seq_len=16)
+    splits = load_jsonl_tasks(tmp_path / "d.jsonl", tokenizer=tok, max_seq_len=128)
+    assert len(splits.train.problems) + len(splits.eval.problems) == 4
