@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: device sync and timing, model-size flags, per-device sizes.
+"""What the benchmark scripts share: device sync and timing, model-size flags, per-device sizes,
+and how a result JSON records paths.
 
 Scripts run as `python benchmarks/<name>.py`, so this module is importable as `common`.
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def sync(device: str | torch.device) -> None:
@@ -51,3 +54,21 @@ def apply_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> N
     for key, value in sizes["quick" if args.quick else args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed arguments as a result JSON records them: no absolute machine path.
+
+    A path inside the repository is recorded relative to its root (`benchmarks/results/x.json`),
+    one outside it (a scratch directory on a GPU machine) by its file name only.
+    """
+
+    def record(value: Any) -> Any:
+        if not isinstance(value, Path):
+            return value
+        path = value.resolve()
+        return (
+            path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+        )
+
+    return {key: record(value) for key, value in vars(args).items()}

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import sync
+from common import json_args, sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine, SamplingParams
@@ -183,7 +183,8 @@ def main() -> None:
     out = Path(__file__).parent / "results" / f"decode-{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
-              "model": json.loads(cfg.to_json()), "args": vars(args), "rows": rows}  # fmt: skip
+              "model": json.loads(cfg.to_json()), "args": json_args(args),
+              "rows": rows}  # fmt: skip
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     out.write_text(json.dumps(result, indent=2))

@@ -40,17 +40,16 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
 from birkhoff.recompute import PeakLiveBytes, track_saved_storages
+from birkhoff.train.recompute import apply_checkpoint, apply_recompute
 
 VARIANTS = ("none", "torch_checkpoint", "never", "safe")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def model_config(args: argparse.Namespace, variant: str) -> ModelConfig:
-    reclaim = variant if variant in ("never", "safe", "always") else "never"
+def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
         vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
         num_streams=args.streams, mtp_depth=args.mtp, max_seq_len=args.seq,
-        recompute="none" if variant == "none" else "full", reclaim=reclaim,
     )  # fmt: skip
 
 
@@ -62,9 +61,11 @@ def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> T
 
 def build(args: argparse.Namespace, variant: str) -> tuple[Transformer, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Transformer(model_config(args, variant)).to(args.device)
+    model = Transformer(model_config(args)).to(args.device)
     if variant == "torch_checkpoint":
-        model.run_checkpointed = torch_checkpointed  # type: ignore[method-assign]
+        apply_checkpoint(model, torch_checkpointed)
+    elif variant in ("never", "safe", "always"):
+        apply_recompute(model, reclaim=variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_sanitizer_case(args)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    num_params = sum(p.numel() for p in Transformer(model_config(args, "none")).parameters())
+    num_params = sum(p.numel() for p in Transformer(model_config(args)).parameters())
     shape = f"dim={args.dim} layers={args.layers} S={args.streams} M={args.mtp}"
     print(
         f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"

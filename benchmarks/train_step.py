@@ -39,6 +39,7 @@ from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
 from birkhoff.presets import h200_small
 from birkhoff.train import TrainConfig, forward_context
+from birkhoff.train.recompute import apply_recompute
 
 VARIANTS = ((1, 0), (4, 0), (1, 1), (4, 1))  # (S, M)
 H200_BF16_PEAK = 790e12
@@ -77,11 +78,10 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
     return base | given
 
 
-def model_config(size: dict[str, int], streams: int, mtp: int, recompute: str) -> ModelConfig:
+def model_config(size: dict[str, int], streams: int, mtp: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=h200_small().model.vocab_size, dim=size["dim"], num_layers=size["layers"],
         num_heads=size["heads"], num_streams=streams, mtp_depth=mtp, max_seq_len=size["seq"],
-        recompute=recompute,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -105,7 +105,8 @@ def time_variant(model: Transformer, ids_BT: torch.Tensor, args: argparse.Namesp
                  iters: int) -> tuple[float, int]:  # fmt: skip
     """(median seconds per fwd+bwd, peak bytes allocated during the timed iterations)."""
     device = ids_BT.device
-    train = TrainConfig(amp_dtype="bf16" if device.type == "cuda" else "none")
+    train = TrainConfig(amp_dtype="bf16" if device.type == "cuda" else "none",
+                        recompute=args.recompute)  # fmt: skip
     for _ in range(args.warmup):
         fwd_bwd(model, ids_BT, train)
     sync(device)
@@ -138,7 +139,9 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> 
 def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
                 device: torch.device) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(model_config(size, streams, mtp, args.recompute)).to(device)
+    model = Transformer(model_config(size, streams, mtp)).to(device)
+    if args.recompute == "full":  # every block and MTP depth, safe reclaim
+        apply_recompute(model, reclaim="safe")
     if args.compile:  # identical blocks share one compiled graph (parameters are graph inputs)
         for block in [*model.layers, *(depth.block for depth in model.mtp)]:
             block.compile()

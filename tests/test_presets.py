@@ -3,7 +3,7 @@ import torch
 
 from birkhoff.model import Transformer
 from birkhoff.presets import PRESETS, get_preset
-from birkhoff.rl.tasks import get_task
+from birkhoff.tasks.problems import get_task
 from birkhoff.tokenizer import CharTokenizer
 
 

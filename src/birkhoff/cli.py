@@ -1,10 +1,16 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
+Subcommands: `run`, `train`, `generate`.
+- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop;
+- `train`: supervised training only;
+- `generate`: complete prompts with a checkpoint.
+Benchmarks are scripts in benchmarks/, not subcommands.
+
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
-`run_<name>(args) -> int` in `SUBCOMMANDS`, so `run`, `generate` and `bench` are added by adding
-one entry. User errors (unknown preset, unwritable output directory, bad override) print one
-clear line to stderr and exit with code 2 before anything is written; argparse's own errors use
-code 2 as well.
+`run_<name>(args) -> int` in `SUBCOMMANDS`, so a new job is one more entry. User errors (unknown
+preset, unwritable output directory, bad override) print one clear line to stderr and exit with
+code 2 before anything is written; argparse's own errors use code 2 as well. Progress goes to
+stdout: a bar on a terminal, a plain line every few steps otherwise (birkhoff.train.progress).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small")
+    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small | h200-grpo")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
@@ -204,7 +210,7 @@ def run_run(args: argparse.Namespace) -> int:
     import torch
 
     from birkhoff.rl.loop import GRPORun
-    from birkhoff.rl.metrics import plot_run
+    from birkhoff.train.metrics import plot_run
 
     threads = args.threads or preset.num_threads
     if device == "cpu" and threads:

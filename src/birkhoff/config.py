@@ -16,9 +16,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-RecomputeMode = Literal["none", "full"]
-ReclaimMode = Literal["safe", "always", "never"]
-
 
 def check(cond: bool, field: str, value: object, why: str) -> None:
     """Raise a ValueError naming `field` and `value` unless `cond` holds."""
@@ -58,8 +55,6 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # yarn
     rope_truncate: bool = True  # yarn: floor/ceil the correction range
     rope_attention_factor: float = 1.0  # multiplies cos and sin (yarn's mscale)
-    recompute: RecomputeMode = "none"
-    reclaim: ReclaimMode = "safe"
 
     def __post_init__(self) -> None:
         check_llama_options(self)
@@ -89,13 +84,6 @@ class ModelConfig:
         check(math.isfinite(w) and w >= 0, "mtp_loss_weight", w, "must be finite and >= 0")
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
         check(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
-        check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
-        check(
-            self.reclaim in ("safe", "always", "never"),
-            "reclaim",
-            self.reclaim,
-            "safe | always | never",
-        )
 
     @property
     def head_dim(self) -> int:

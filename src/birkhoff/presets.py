@@ -50,10 +50,16 @@ def tiny_cpu() -> Preset:
         num_streams=4,
         mtp_depth=1,
         max_seq_len=64,
+    )
+    train = TrainConfig(
+        lr=3e-3,
+        warmup_steps=30,
+        num_steps=800,
+        batch_size=64,
+        log_every=10,
         recompute="full",
         reclaim="safe",
     )
-    train = TrainConfig(lr=3e-3, warmup_steps=30, num_steps=800, batch_size=64, log_every=10)
     rl = RLConfig(
         warmup_steps=100,
         num_steps=150,
@@ -97,9 +103,16 @@ def h200_small() -> Preset:
 
 def h200_grpo() -> Preset:
     """The GPU main job: the h200-small trunk on short task sequences, full recompute."""
-    model = h200_small().model.replace(max_seq_len=128, recompute="full", reclaim="safe")
+    model = h200_small().model.replace(max_seq_len=128)
     train = TrainConfig(
-        lr=1e-3, warmup_steps=30, num_steps=250, batch_size=128, amp_dtype="bf16", log_every=10
+        lr=1e-3,
+        warmup_steps=30,
+        num_steps=250,
+        batch_size=128,
+        amp_dtype="bf16",
+        log_every=10,
+        recompute="full",
+        reclaim="safe",
     )
     rl = RLConfig(
         warmup_steps=250,

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz +-*=,:;.?>()"
+assert len(set(CHARACTERS)) == len(CHARACTERS), "one id per character"
 
 
 class CharTokenizer:
@@ -27,13 +28,12 @@ class CharTokenizer:
     bos_id = 1
     eos_id = 2
 
-    def __init__(self, characters: str = CHARACTERS) -> None:
-        if len(set(characters)) != len(characters):
-            raise ValueError(f"characters={characters!r} contains duplicates")
-        self.characters = characters
+    characters = CHARACTERS
+
+    def __init__(self) -> None:
         offset = len(SPECIAL_TOKENS)
-        self._id_of = {c: i + offset for i, c in enumerate(characters)}
-        self._char_of = dict(enumerate(characters, start=offset))
+        self._id_of = {c: i + offset for i, c in enumerate(CHARACTERS)}
+        self._char_of = dict(enumerate(CHARACTERS, start=offset))
 
     @property
     def vocab_size(self) -> int:

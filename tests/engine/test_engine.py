@@ -7,8 +7,8 @@ import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams, TensorSpec
+from birkhoff.engine.layout import SourceError, engine_shapes, is_matmul_weight
 from birkhoff.model import Transformer
-from birkhoff.refit.layout import engine_shapes, is_matmul_weight, to_engine_layout, trainer_tensors
 
 PROMPTS = [[1, 2, 3], [4, 5]]
 
@@ -25,7 +25,7 @@ def test_manifest_lists_every_served_tensor(model: Transformer) -> None:
     shapes = engine_shapes(model.cfg)
     assert set(manifest) == set(shapes) and any(n.startswith("mtp.1.") for n in manifest)
     assert all(spec == TensorSpec(shapes[n], torch.float32) for n, spec in manifest.items())
-    assert set(engine.weights) == set(manifest) and engine.weight_version == -1
+    assert engine.weights == {} and engine.weight_version == -1  # nothing served yet
 
 
 def test_fp8_manifest_and_logprob_drift(model: Transformer) -> None:
@@ -60,20 +60,21 @@ def test_commit_swaps_weights_and_bumps_version(model: Transformer) -> None:
     after = engine.generate(PROMPTS, SamplingParams(4))
     assert [c.weight_version for c in after] == [1, 1] and before[0].weight_version == 0
     assert [c.tokens for c in after] != [c.tokens for c in before]
-    with pytest.raises(AssertionError, match="missing"):
+    with pytest.raises(AssertionError, match="manifest"):
         engine.commit_weights({n: t for n, t in new.items() if n != "mtp.1.norm.weight"})
     assert engine.weight_version == 1
 
 
-def test_load_state_equals_from_model(model: Transformer) -> None:
-    engine = Engine(model.cfg)
-    assert engine.load_state(to_engine_layout(trainer_tensors(model, model.cfg))) == 0
-    ref = Engine.from_model(model)
-    assert all(torch.equal(engine.weights[n], ref.weights[n]) for n in ref.weights)
-    with pytest.raises(ValueError, match="missing tensors"):
-        engine.load_state([("norm.weight", torch.ones(model.cfg.dim))])
-    with pytest.raises(ValueError, match="norm.weight: shape"):
-        engine.load_state([("norm.weight", torch.ones(3))])
+def test_from_model_names_missing_and_mis_shaped_trainer_tensors(model: Transformer) -> None:
+    broken = Transformer(model.cfg)
+    del broken.mtp[1].proj.weight  # a Parameter the engine serves (as part of no fusion)
+    broken.layers[0].attn.wk.weight = torch.nn.Parameter(torch.zeros(3, model.cfg.dim))
+    with pytest.raises(SourceError) as info:
+        Engine.from_model(broken)
+    assert info.value.missing == ["mtp.1.proj.weight"]
+    assert list(info.value.mismatched) == ["layers.0.attn.wk.weight"]
+    with pytest.raises(ValueError, match="ModelConfig"):
+        Engine.from_model(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize(

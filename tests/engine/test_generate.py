@@ -103,11 +103,11 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
         for _ in range(4):
             run.speculative_step(list(range(len(RAGGED))))
         rows = list(range(len(RAGGED)))
-        drafts_AK, q_AKV = run.draft(rows, torch.tensor(rows))
+        drafts_AJ, q_AJV = run.draft(rows, torch.tensor(rows))
     assert 0 < run.stats.num_emitted - run.stats.num_steps < K * run.stats.num_steps  # mixed
     for i in rows:
         n = run.n[i]
-        seq = run.tokens_BC[
+        seq = run.tokens_BN[
             i, : n + K
         ].tolist()  # accepted tokens, pending t_n, drafts d_1..d_{K-1}
         ids = torch.tensor([seq])
@@ -115,8 +115,8 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
             heads = ref.mtp_hidden(ref.decoder(ids).multistream, ids)
         for k in range(K):
             expected_V = ref.lm_head(heads[k][0, n - 1]).log_softmax(-1)
-            torch.testing.assert_close(q_AKV[i, k].log(), expected_V, rtol=0, atol=1e-9)
-        assert drafts_AK[i].tolist() == run.tokens_BC[i, n + 1 : n + K + 1].tolist()
+            torch.testing.assert_close(q_AJV[i, k].log(), expected_V, rtol=0, atol=1e-9)
+        assert drafts_AJ[i].tolist() == run.tokens_BN[i, n + 1 : n + K + 1].tolist()
 
 
 def test_per_sequence_stop_tokens_and_max_new_tokens(trained_model: Transformer) -> None:

@@ -58,11 +58,11 @@ def naive_filter(z: list[float], top_k: int, top_p: float) -> list[float]:
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (3, 1.0), (0, 0.6), (4, 0.8), (1, 0.5)])
 def test_top_k_top_p_filter_matches_naive(top_k: int, top_p: float) -> None:
-    z_NV = torch.randn(6, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out_NV = filter_top_k_top_p(z_NV, torch.full((6,), top_k), torch.full((6,), top_p))
-    rows = [naive_filter(row, top_k, top_p) for row in z_NV.tolist()]
+    z_AV = torch.randn(6, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out_AV = filter_top_k_top_p(z_AV, torch.full((6,), top_k), torch.full((6,), top_p))
+    rows = [naive_filter(row, top_k, top_p) for row in z_AV.tolist()]
     expected = torch.tensor(rows, dtype=torch.float64)
-    assert torch.equal(out_NV, expected)
+    assert torch.equal(out_AV, expected)
 
 
 def test_target_logprobs_per_row_params() -> None:
@@ -72,12 +72,12 @@ def test_target_logprobs_per_row_params() -> None:
         SamplingParams(1, temperature=2.0, top_k=2),
     ]
     rs = RowSampling.build(params, torch.device("cpu"))
-    logits_NV = torch.tensor([[1.0, 2.0, 3.0, 0.5]] * 3, dtype=torch.float64)
-    logp_NV = target_logprobs(logits_NV, rs)
-    torch.testing.assert_close(logp_NV[0], logits_NV[0].log_softmax(-1))
-    torch.testing.assert_close(logp_NV[1], (logits_NV[1] / 0.5).log_softmax(-1))
+    logits_AV = torch.tensor([[1.0, 2.0, 3.0, 0.5]] * 3, dtype=torch.float64)
+    logp_AV = target_logprobs(logits_AV, rs)
+    torch.testing.assert_close(logp_AV[0], logits_AV[0].log_softmax(-1))
+    torch.testing.assert_close(logp_AV[1], (logits_AV[1] / 0.5).log_softmax(-1))
     top2 = torch.tensor([-math.inf, 1.0, 1.5, -math.inf], dtype=torch.float64)
-    torch.testing.assert_close(logp_NV[2], top2.log_softmax(-1))
-    probs_NV = sampling_probs(logp_NV, rs.greedy_N)
-    assert probs_NV[0].tolist() == [0.0, 0.0, 1.0, 0.0]  # greedy samples the argmax
-    torch.testing.assert_close(probs_NV[1:], logp_NV[1:].exp())
+    torch.testing.assert_close(logp_AV[2], top2.log_softmax(-1))
+    probs_AV = sampling_probs(logp_AV, rs.greedy_A)
+    assert probs_AV[0].tolist() == [0.0, 0.0, 1.0, 0.0]  # greedy samples the argmax
+    torch.testing.assert_close(probs_AV[1:], logp_AV[1:].exp())

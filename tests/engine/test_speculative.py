@@ -27,27 +27,27 @@ def test_accept_drafts_first_token_is_distributed_as_p() -> None:
     V, A = 5, 100_000
     p_V = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
     q_V = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2], dtype=torch.float64)
-    p_AKV = p_V.expand(A, 2, V).clone()
-    q_AKV = q_V.expand(A, 1, V).clone()
-    drafts_AK = torch.multinomial(q_V, A, replacement=True, generator=gen)[:, None]
-    num_acc_A, next_A = accept_drafts(p_AKV, q_AKV, drafts_AK, gen)
-    first_A = torch.where(num_acc_A > 0, drafts_AK[:, 0], next_A)
+    p_ATV = p_V.expand(A, 2, V).clone()
+    q_AJV = q_V.expand(A, 1, V).clone()
+    drafts_AJ = torch.multinomial(q_V, A, replacement=True, generator=gen)[:, None]
+    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, gen)
+    first_A = torch.where(num_acc_A > 0, drafts_AJ[:, 0], next_A)
     assert chi_square_pvalue(torch.bincount(first_A, minlength=V), p_V) > ALPHA
     # acceptance probability is sum_x min(p(x), q(x)) = 0.6
     assert abs(num_acc_A.double().mean().item() - 0.6) < 0.01
     # the same rule with the roles swapped is wrong, and the test sees it
-    _, wrong_A = accept_drafts(q_AKV.expand(A, 2, V), p_AKV[:, :1], drafts_AK, gen)
-    wrong_first = torch.where(num_acc_A > 0, drafts_AK[:, 0], wrong_A)
+    _, wrong_A = accept_drafts(q_AJV.expand(A, 2, V), p_ATV[:, :1], drafts_AJ, gen)
+    wrong_first = torch.where(num_acc_A > 0, drafts_AJ[:, 0], wrong_A)
     assert chi_square_pvalue(torch.bincount(wrong_first, minlength=V), p_V) < ALPHA
 
 
 def test_accept_drafts_one_hot_is_argmax_agreement() -> None:
     gen = torch.Generator().manual_seed(0)
     eye = torch.eye(4)
-    p_AKV = eye[torch.tensor([[1, 2, 3], [1, 0, 3], [2, 2, 2]])]  # target argmax per position
-    drafts_AK = torch.tensor([[1, 2], [1, 2], [0, 2]])
-    q_AKV = eye[drafts_AK]
-    num_acc_A, next_A = accept_drafts(p_AKV, q_AKV, drafts_AK, gen)
+    p_ATV = eye[torch.tensor([[1, 2, 3], [1, 0, 3], [2, 2, 2]])]  # target argmax per position
+    drafts_AJ = torch.tensor([[1, 2], [1, 2], [0, 2]])
+    q_AJV = eye[drafts_AJ]
+    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, gen)
     assert num_acc_A.tolist() == [2, 1, 0]
     assert next_A.tolist() == [3, 0, 2]  # bonus; first mismatch -> target argmax
 
@@ -81,8 +81,8 @@ def exact_pair_probs(model: Transformer, prompt: list[int], params: SamplingPara
 
     def logp(seqs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            logits_NV = model(seqs).logits[:, -1].double()
-        return target_logprobs(logits_NV, rs.select(torch.zeros(len(seqs), dtype=torch.long)))
+            logits_AV = model(seqs).logits[:, -1].double()
+        return target_logprobs(logits_AV, rs.select(torch.zeros(len(seqs), dtype=torch.long)))
 
     base = torch.tensor([prompt])
     p1_V = logp(base)[0].exp()

@@ -17,8 +17,6 @@ BASE = dict(vocab_size=32, dim=64, num_layers=2, num_heads=4)
         ("mtp_depth", -1),
         ("mtp_loss_weight", float("nan")),
         ("norm_eps", 0.0),
-        ("recompute", "some"),
-        ("reclaim", "sometimes"),
     ],
 )
 def test_invalid_field_names_field_and_value(field: str, value: object) -> None:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.model.mtp import combine_losses, masked_token_ce, shift_targets
+from birkhoff.model.mtp import MTPDepth, combine_losses, masked_token_ce, mtp_merge, shift_targets
 
 
 def test_shift_targets_hand_made() -> None:
@@ -82,3 +82,26 @@ def test_contracted_hidden_is_rejected_with_expected_shape() -> None:
     hidden = model.decoder(ids).hidden
     with pytest.raises(ValueError, match=r"\[B,T,S=4,D\].*\(2, 5, 16\)"):
         model.mtp_hidden(hidden, ids)
+
+
+def test_merge_is_norms_concat_projection_per_stream() -> None:
+    """mtp_merge (shared by trainer and engine) against the formula written out per stream."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2, num_streams=3, mtp_depth=1)
+    depth = MTPDepth(cfg, 0).double()
+    with torch.no_grad():
+        depth.hidden_norm.weight.uniform_(0.5, 1.5)
+        depth.embed_norm.weight.uniform_(0.5, 1.5)
+    h, emb = torch.randn(2, 4, 3, 8, dtype=torch.float64), torch.randn(2, 4, 8, dtype=torch.float64)
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x / (x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * w
+
+    W = depth.proj.weight
+    expected = torch.stack([torch.cat((norm(h[:, :, s], depth.hidden_norm.weight),
+                                       norm(emb, depth.embed_norm.weight)), -1) @ W.t()
+                            for s in range(3)], dim=2)  # fmt: skip
+    torch.testing.assert_close(depth.merge(h, emb), expected, rtol=1e-12, atol=1e-12)
+    merged = mtp_merge(h, emb, depth.hidden_norm.weight, depth.embed_norm.weight,
+                       eps=cfg.norm_eps, project=lambda x: x @ W.t())  # fmt: skip
+    torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)

@@ -17,15 +17,20 @@ import torch
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
 from birkhoff.recompute import UseAfterFreeError, census, sanitize, track_saved_storages
+from birkhoff.train.recompute import apply_recompute
 
 CFG = ModelConfig(
     vocab_size=64, dim=32, num_layers=2, num_heads=4, num_streams=4, mtp_depth=1, max_seq_len=16
 )
 
 
-def loss_and_grads(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    cfg: ModelConfig, reclaim: str | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = Transformer(cfg).double()
+    if reclaim is not None:
+        apply_recompute(model, reclaim=reclaim)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with track_saved_storages():
         out = model(ids, labels=ids)
@@ -37,7 +42,7 @@ def loss_and_grads(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tens
 def test_full_recompute_is_identical_in_fp64(reclaim: str) -> None:
     ref_loss, ref_grads = loss_and_grads(CFG)
     with sanitize():
-        loss, grads = loss_and_grads(CFG.replace(recompute="full", reclaim=reclaim))
+        loss, grads = loss_and_grads(CFG, reclaim)
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
@@ -46,7 +51,7 @@ def test_full_recompute_is_identical_in_fp64(reclaim: str) -> None:
 
 def test_safe_reclaims_every_checkpoint_input_and_leaks_nothing() -> None:
     torch.manual_seed(0)
-    model = Transformer(CFG.replace(recompute="full", reclaim="safe")).double()
+    model = apply_recompute(Transformer(CFG).double(), reclaim="safe")
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     with track_saved_storages() as registry:
         out = model(ids, labels=ids)
@@ -59,7 +64,7 @@ def test_safe_reclaims_every_checkpoint_input_and_leaks_nothing() -> None:
 
 def test_always_reclaim_is_caught_at_the_output_contraction() -> None:
     torch.manual_seed(0)
-    model = Transformer(CFG.replace(recompute="full", reclaim="always")).double()
+    model = apply_recompute(Transformer(CFG).double(), reclaim="always")
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     with sanitize(), pytest.raises(UseAfterFreeError) as err:
         with track_saved_storages():
@@ -76,7 +81,7 @@ SCRIPT = textwrap.dedent(
     from tests.recompute.test_model_reclaim import CFG, loss_and_grads
     ref_loss, ref = loss_and_grads(CFG)
     print("REFERENCE_OK", flush=True)
-    loss, got = loss_and_grads(CFG.replace(recompute="full", reclaim="always"))
+    loss, got = loss_and_grads(CFG, "always")
     same = torch.equal(loss, ref_loss) and all(torch.equal(got[n], g) for n, g in ref.items())
     print("IDENTICAL" if same else "DIFFERENT")
     """

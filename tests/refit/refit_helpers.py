@@ -1,7 +1,8 @@
-"""Shared helpers for refit tests: tiny configs, trainer models, engines, greedy runs, scoring."""
+"""Shared helpers for refit tests: tiny configs, models, engines, greedy runs, packing as-is."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.model import Transformer
+from birkhoff.refit.bucket import Assembler, Bucket, as_bytes, bucket_nbytes, place
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [60, 61, 62, 10, 11, 12, 13]]
 
@@ -50,3 +52,44 @@ def trainer_logprobs(model: Transformer, prompt: list[int], tokens: list[int]) -
     logp = model(ids).logits[0].float().log_softmax(-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logp[positions, torch.tensor(tokens)]
+
+
+def bit_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    """Same names, dtypes, shapes and bytes."""
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype
+        and a[n].shape == b[n].shape
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        for n in a
+    )
+
+
+def pack_buckets(
+    named: Iterable[tuple[str, Tensor]], bucket_bytes: int, *, device: str = "cpu"
+) -> Iterator[Bucket]:
+    """Pack (name, tensor) pairs as they are (any dtype, repeats allowed), a buffer per bucket."""
+    named = list(named)
+    specs = [[(n, t.dtype, tuple(t.shape))] for n, t in named]
+    sources: dict[str, list[Tensor]] = {}
+    for name, tensor in named:  # a repeated name sends its tensors in turn
+        sources.setdefault(name, []).append(tensor.contiguous())
+    sent: dict[str, int] = {}
+    for index, entries in enumerate(place(specs, bucket_bytes)):
+        buffer = torch.empty(bucket_nbytes(entries), dtype=torch.uint8, device=device)
+        for e in entries:
+            if e.chunk_offset == 0:  # the next tensor of this name starts
+                sent[e.name] = sent.get(e.name, -1) + 1
+            src = as_bytes(sources[e.name][sent[e.name]])
+            buffer[e.offset : e.offset + e.nbytes].copy_(src[e.chunk_offset :][: e.nbytes])
+        yield Bucket(index, buffer, entries)
+
+
+def unpack_buckets(buckets: Iterable[Bucket], *, device: str = "cpu") -> dict[str, Tensor]:
+    """Reassemble buckets (in any order) into whole tensors; ValueError on any problem."""
+    assembler = Assembler(device)
+    for bucket in buckets:
+        assembler.stage(bucket)
+    problems = assembler.duplicated | assembler.inconsistent | assembler.incomplete()
+    if problems:
+        raise ValueError(f"buckets did not reassemble cleanly: {sorted(problems)}")
+    return assembler.tensors

@@ -7,22 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from refit_helpers import PROMPTS, make_engine, make_model, run, tiny_config
+from refit_helpers import PROMPTS, bit_equal, make_engine, make_model, run, tiny_config
 
+from birkhoff.engine.fp8 import FP8_DTYPE
 from birkhoff.refit import refit
-from birkhoff.refit.fp8 import FP8_DTYPE
 
 CFG = tiny_config()
 MODEL_A = make_model(CFG, seed=0)
 MODEL_B = make_model(CFG, seed=1)
-
-
-def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[n].dtype == b[n].dtype
-        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
-        for n in a
-    )
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 1000, 1 << 24])

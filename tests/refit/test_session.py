@@ -12,32 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from refit_helpers import (
     PROMPTS,
+    bit_equal,
     make_engine,
     make_model,
+    pack_buckets,
     run,
     tiny_config,
     trainer_logprobs,
 )
 from torch import Tensor
 
-from birkhoff.refit import BucketPacker, RefitError, RefitSession, pack_buckets, refit
-from birkhoff.refit.bucket import unpack_bucket
+from birkhoff.refit import RefitError, RefitSession, refit
 
 CFG = tiny_config()
 MODEL_A = make_model(CFG, seed=0)  # what the engine serves first
 MODEL_B = make_model(CFG, seed=1)  # the update
 MODEL_BYTES = sum(t.numel() * t.element_size() for t in MODEL_B.state_dict().values())
-
-
-def bit_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    return all(
-        a[n].dtype == b[n].dtype
-        and a[n].shape == b[n].shape
-        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
-        for n in a
-    )
 
 
 bucket_sizes = st.one_of(
@@ -204,7 +194,7 @@ def test_a_chunk_sent_twice_is_duplicated_not_overwritten() -> None:
     buckets = list(pack_buckets(served_b(None), 128, device="cpu"))
     for bucket in buckets + buckets[3:4]:
         session.load_bucket(bucket)
-    names = {e.name for e, _ in unpack_bucket(buckets[3])}
+    names = {e.name for e in buckets[3].entries}
     with pytest.raises(RefitError) as info:
         session.finish()
     assert set(info.value.duplicated) == names
@@ -239,21 +229,22 @@ def test_refit_argument_errors() -> None:
     assert refit(MODEL_B, engine).version == 1  # the failed calls left no session open
 
 
-def test_copied_buckets_from_reused_buffers_equal_adopted_ones() -> None:
-    """The copy path (non-transferable buckets, one recycled buffer) gives the same weights."""
-    served = served_b(None)
+def test_missing_or_mis_shaped_trainer_tensor_is_a_refit_error() -> None:
+    """The sender looks every source up by name: a gap in the model is named, nothing sent."""
     engine = make_engine(MODEL_A)
-    session = RefitSession(engine)
-    session.begin()
-    packer = BucketPacker(700, device="cpu", num_buffers=1)
-    for name, tensor in served:
-        for bucket in packer.add(name, [tensor], tensor.dtype):
-            assert not bucket.transferable
-            session.load_bucket(bucket)  # before the packer writes the buffer again
-    for bucket in packer.flush():
-        session.load_bucket(bucket)
-    session.finish(check_finite=True)
-    assert bit_equal(engine.weights, dict(served))
+    before = snapshot(engine)
+    broken = make_model(CFG, seed=1)
+    del broken.mtp[1].proj.weight
+    broken.layers[0].mlp.w_up.weight = torch.nn.Parameter(torch.zeros(3, CFG.dim))
+    with pytest.raises(RefitError) as info:
+        refit(broken, engine)
+    assert info.value.missing == ["mtp.1.proj.weight"]
+    assert list(info.value.mismatched) == ["layers.0.mlp.w_up.weight"]
+    assert_unchanged(engine, before)
+    with pytest.raises(RefitError) as info:  # a model whose layout lacks served tensors
+        refit(make_model(tiny_config(mtp_depth=1), seed=2), engine)
+    assert info.value.missing and all(n.startswith("mtp.1.") for n in info.value.missing)
+    assert_unchanged(engine, before)
 
 
 def test_in_process_refit_serves_bucket_memory_without_copying() -> None:

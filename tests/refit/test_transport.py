@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from refit_helpers import make_engine, make_model, run, tiny_config
+from refit_helpers import make_engine, make_model, pack_buckets, run, tiny_config
 
-from birkhoff.refit import BroadcastSender, RefitError, pack_buckets, refit, serve_refit
+from birkhoff.refit import BroadcastSender, RefitError, refit, serve_refit
 
 WORLD = 3
 

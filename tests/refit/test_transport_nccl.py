@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from refit_helpers import make_model, tiny_config
 
 from birkhoff.engine import Engine
-from birkhoff.engine.weights import build_manifest
+from birkhoff.engine.layout import build_manifest
 from birkhoff.model import Transformer
 from birkhoff.refit import BroadcastSender, RefitError, refit, serve_refit
 

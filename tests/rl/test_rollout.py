@@ -5,7 +5,6 @@ import torch
 
 from birkhoff.engine.decode import Completion
 from birkhoff.rl.rollout import Rollout, StaleRolloutError, build_rl_batch, check_staleness
-from birkhoff.rl.tasks import Problem
 
 
 def test_build_rl_batch_aligns_completion_tokens_and_logprobs() -> None:
@@ -14,7 +13,7 @@ def test_build_rl_batch_aligns_completion_tokens_and_logprobs() -> None:
         Completion([8, 2], [-0.5, -0.1], 3, "stop"),
         Completion([9, 9, 2], [-1.0, -2.0, -0.3], 3, "stop"),
     ]
-    ro = Rollout([Problem("a", "b")] * 2, prompts, completions, torch.zeros(1, 2), [], 0, 0.0)
+    ro = Rollout(prompts, completions, torch.zeros(1, 2), [], 0, 0.0)
     batch = build_rl_batch(ro, torch.tensor([[1.0, -1.0]]), pad_id=0)
     assert batch.input_ids.tolist() == [[1, 5, 6, 8, 2], [1, 7, 9, 9, 2]]
     assert batch.completion_mask.tolist() == [

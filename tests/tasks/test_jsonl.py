@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from birkhoff.rl.tasks import Problem, build_supervised_batch
+from birkhoff.tasks.batches import build_supervised_batch
 from birkhoff.tasks.jsonl import DataError, JsonlTask, load_jsonl_tasks
+from birkhoff.tasks.problems import Problem
 from birkhoff.tasks.verifiers import get_verifier, normalise, parse_number
 from birkhoff.tokenizer import CharTokenizer
 

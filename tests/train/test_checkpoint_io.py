@@ -6,7 +6,8 @@ import torch
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.rl.tasks import AdditionTask
+from birkhoff.tasks.batches import batch_for_step
+from birkhoff.tasks.problems import AdditionTask
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, train_step
 from birkhoff.train.checkpoint import (
@@ -18,7 +19,6 @@ from birkhoff.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from birkhoff.train.data import batch_for_step
 
 TRAIN = TrainConfig(lr=1e-3, warmup_steps=0)
 
@@ -161,6 +161,16 @@ def test_invalid_config_values(saved):
     rewrite_config(saved, json.dumps(cfg | {"layers": 3}))
     with pytest.raises(CheckpointError, match="unknown field"):
         load_checkpoint(saved)
+
+
+def test_config_with_the_former_recompute_keys_loads_as_the_same_model(saved):
+    # written while ModelConfig held the recompute policy (now TrainConfig.recompute / .reclaim)
+    cfg = json.loads((saved / CONFIG_FILE).read_text())
+    rewrite_config(saved, json.dumps(cfg | {"recompute": "full", "reclaim": "safe"}))
+    model = Transformer(model_cfg())
+    loaded = load_checkpoint(saved, model=model, optimizer=build_optimizer(model, TRAIN))
+    assert loaded.config == model_cfg() and loaded.step == 1
+    assert loaded.config == load_checkpoint(saved).model.cfg
 
 
 def test_config_mismatch_with_given_model(saved):

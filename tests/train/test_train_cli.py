@@ -73,3 +73,22 @@ def test_missing_subcommand_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
+
+
+def test_docstring_names_exactly_the_subcommands():
+    import re
+
+    import birkhoff.cli as cli
+
+    line = next(ln for ln in cli.__doc__.splitlines() if ln.startswith("Subcommands:"))
+    assert set(re.findall(r"`([a-z-]+)`", line)) == set(cli.SUBCOMMANDS)
+    assert set(cli.build_parser()._subparsers._group_actions[0].choices) == set(cli.SUBCOMMANDS)
+
+
+def test_progress_off_a_terminal_is_plain_lines(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--steps", "40"]) == 0
+    printed = capsys.readouterr().out
+    assert "\r" not in printed
+    steps = [ln.split(" (")[0] for ln in printed.splitlines() if ln.startswith("train tiny-cpu")]
+    assert steps == [f"train tiny-cpu step {n}/40" for n in range(2, 41, 2)]  # every 40 // 20

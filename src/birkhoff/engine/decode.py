@@ -1,6 +1,7 @@
 """One generate call: prefill, then plain or speculative decode steps until every row is done.
 
-Legend: A active rows, T tokens, K drafts per step, S streams, D model dim, V vocab.
+Legend: A active rows, B batch rows, T tokens of a chunk, N cache positions, J drafts per step,
+S streams, D model dim, V vocab.
 
 Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
 not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
@@ -8,7 +9,7 @@ depth k, `valid[k][i]` counts the leading positions whose depth-k cache entries 
 from accepted tokens only. A speculative step:
   1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
      those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
-  2. verify: the main model runs on [t_n, d_1..d_K] at positions n..n+K;
+  2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
   3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
 Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
 Finished rows leave the active set, so the batch shrinks as sequences stop.
@@ -55,7 +56,7 @@ class Generation:
         self.generator, self.device = generator, cache.k.device
         self.sampling = RowSampling.build(params, self.device)
         B = len(prompts)
-        self.tokens_BC = torch.zeros(B, cache.capacity, dtype=torch.long, device=self.device)
+        self.tokens_BN = torch.zeros(B, cache.capacity, dtype=torch.long, device=self.device)
         self.n = [len(p) - 1 for p in prompts]  # prefill runs the last prompt token too
         self.num_drafts = params[0].num_speculative_tokens
         self.valid = [[0] * B for _ in range(self.num_drafts)]
@@ -84,12 +85,12 @@ class Generation:
         )
 
     def sample_logits(
-        self, logits_NV: Tensor, rows_A: Tensor, repeat: int = 1
+        self, logits_AV: Tensor, rows_A: Tensor, repeat: int = 1
     ) -> tuple[Tensor, Tensor]:
         """(log-probs of the target distribution, sampling probs) for rows repeated `repeat`x."""
         rs = self.sampling.select(rows_A, repeat)
-        logp_NV = target_logprobs(logits_NV, rs)
-        return logp_NV, sampling_probs(logp_NV, rs.greedy_N)
+        logp_AV = target_logprobs(logits_AV, rs)
+        return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
 
     def prefill(self) -> None:
         rows = list(range(len(self.prompts)))
@@ -98,7 +99,7 @@ class Generation:
         for i, prompt in enumerate(self.prompts):
             tokens_AT[i, : len(prompt)] = torch.tensor(prompt)
         tokens_AT = tokens_AT.to(self.device)
-        self.tokens_BC[:, : tokens_AT.shape[1]] = tokens_AT
+        self.tokens_BN[:, : tokens_AT.shape[1]] = tokens_AT
         ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
         if self.drafter is not None:
             self.drafter.streams.write(0, chunk.rows_A, chunk.positions_AT, ms_ATSD)
@@ -107,7 +108,7 @@ class Generation:
 
     def plain_step(self, rows: list[int]) -> None:
         chunk = self.chunk(rows, [self.n[i] for i in rows], [1] * len(rows))
-        tokens_AT = self.tokens_BC[chunk.rows_A[:, None], chunk.positions_AT]
+        tokens_AT = self.tokens_BN[chunk.rows_A[:, None], chunk.positions_AT]
         _, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
         self.sample_next(rows, chunk.rows_A, hidden_ATD[:, 0])
 
@@ -115,7 +116,7 @@ class Generation:
         logp_AV, probs_AV = self.sample_logits(lm_head(hidden_AD, self.w, self.cfg), rows_A)
         next_A = sample(probs_AV, self.generator)
         n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
-        self.tokens_BC[rows_A, n_A + 1] = next_A
+        self.tokens_BN[rows_A, n_A + 1] = next_A
         logp_A = logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
         for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
             self.emit(i, [tok], [lp])
@@ -137,7 +138,7 @@ class Generation:
         self.n[i] += len(tokens)
 
     def draft(self, rows: list[int], rows_A: Tensor) -> tuple[Tensor, Tensor]:
-        """(drafts [A,K], their distributions q [A,K,V]) from the MTP depths at position n-1."""
+        """(drafts [A,J], their distributions q [A,J,V]) from the MTP depths at position n-1."""
         assert self.drafter is not None
         n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
         drafts, qs = [], []
@@ -148,7 +149,7 @@ class Generation:
             )
             # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
             token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
-            tokens_AT = self.tokens_BC[rows_A[:, None], token_pos_AT]
+            tokens_AT = self.tokens_BN[rows_A[:, None], token_pos_AT]
             h_prev_ATSD = self.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
             h_ATSD, head_ATD = mtp_forward(
                 self.w, self.cfg, k - 1, self.drafter.cache, h_prev_ATSD, tokens_AT, chunk
@@ -161,7 +162,7 @@ class Generation:
             )
             _, q_AV = self.sample_logits(logits_AV, rows_A)
             draft_A = sample(q_AV, self.generator)
-            self.tokens_BC[rows_A, n_A + k] = draft_A
+            self.tokens_BN[rows_A, n_A + k] = draft_A
             drafts.append(draft_A)
             qs.append(q_AV)
             for i in rows:  # positions j <= n-k used accepted tokens only
@@ -169,23 +170,23 @@ class Generation:
         return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
     def speculative_step(self, rows: list[int]) -> None:
-        K = self.num_drafts
+        J = self.num_drafts
         rows_A = torch.tensor(rows, device=self.device)
-        drafts_AK, q_AKV = self.draft(rows, rows_A)
+        drafts_AJ, q_AJV = self.draft(rows, rows_A)
         assert self.drafter is not None
-        chunk = self.chunk(rows, [self.n[i] for i in rows], [K + 1] * len(rows))
-        tokens_AT = self.tokens_BC[rows_A[:, None], chunk.positions_AT]
+        chunk = self.chunk(rows, [self.n[i] for i in rows], [J + 1] * len(rows))
+        tokens_AT = self.tokens_BN[rows_A[:, None], chunk.positions_AT]
         ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
         self.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
-        A, T, V = len(rows), K + 1, self.cfg.vocab_size
-        logits_NV = lm_head(hidden_ATD, self.w, self.cfg).reshape(A * T, V)
-        logp_NV, p_NV = self.sample_logits(logits_NV, rows_A, repeat=T)
-        num_acc_A, next_A = accept_drafts(p_NV.view(A, T, V), q_AKV, drafts_AK, self.generator)
+        A, T, V = len(rows), J + 1, self.cfg.vocab_size
+        logits_AV = lm_head(hidden_ATD, self.w, self.cfg).reshape(A * T, V)  # A*T rows
+        logp_AV, p_AV = self.sample_logits(logits_AV, rows_A, repeat=T)
+        num_acc_A, next_A = accept_drafts(p_AV.view(A, T, V), q_AJV, drafts_AJ, self.generator)
         n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
-        self.tokens_BC[rows_A, n_A + 1 + num_acc_A] = next_A
-        emitted_AT = torch.cat((drafts_AK, next_A[:, None]), dim=1)
+        self.tokens_BN[rows_A, n_A + 1 + num_acc_A] = next_A
+        emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
         emitted_AT[torch.arange(A, device=self.device), num_acc_A] = next_A
-        logp_AT = logp_NV.view(A, T, V).gather(-1, emitted_AT[..., None]).squeeze(-1)
+        logp_AT = logp_AV.view(A, T, V).gather(-1, emitted_AT[..., None]).squeeze(-1)
         num_acc = num_acc_A.tolist()
         self.stats.record(num_acc)
         for i, a, toks, lps in zip(

@@ -1,9 +1,11 @@
 """The inference engine: owns its weights in inference layout, generates with a KV cache.
 
-Weights: `engine.weights` is a flat dict in the layout of `birkhoff.refit.layout` (fused q/k/v and
-gate/up, the MTP drafter included); every forward reads weights from it by name, so a commit (one
-dict assignment) swaps every weight at once, and a generate call in flight keeps the dict it
-started with. `manifest()` lists every served tensor (TensorSpec: shape, dtype).
+Weights: `engine.weights` is a flat dict in the engine's own layout (engine/layout.py: fused
+q/k/v and gate/up, the MTP drafter included); every forward reads weights from it by name, so a
+commit (one dict assignment) swaps every weight at once, and a generate call in flight keeps the
+dict it started with. `manifest()` lists every served tensor (TensorSpec: shape, dtype).
+Loading: `from_model` builds an engine and serves a model's current weights (cast, or fp8
+quantized, by the same functions a refit uses); `birkhoff.refit` updates them later.
 
 Versions: `weight_version` is -1 until weights are loaded; the first commit (e.g. `from_model`)
 makes it 0 and every later commit (a refit) adds one. Completions record the version they were
@@ -16,19 +18,25 @@ Left out: continuous batching (a call runs to completion), paged KV, CUDA graphs
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig, check
 from birkhoff.engine.decode import Completion, Generation
+from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
+from birkhoff.engine.layout import (
+    Quantize,
+    TensorSpec,
+    build_manifest,
+    engine_parts,
+    trainer_tensors,
+)
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
-from birkhoff.engine.weights import Quantize, TensorSpec, build_manifest, check_weights, convert
 from birkhoff.model.layers import rope_tables
-from birkhoff.refit.layout import to_engine_layout, trainer_tensors
 
 
 class Engine:
@@ -64,10 +72,7 @@ class Engine:
             spec,
         )
         self._manifest = build_manifest(cfg, dtype=dtype, quantize=quantize)
-        self.weights: dict[str, Tensor] = {
-            name: torch.zeros(s.shape, dtype=s.dtype, device=self.device)
-            for name, s in self._manifest.items()
-        }
+        self.weights: dict[str, Tensor] = {}  # nothing served before the first commit
         self.weight_version = -1
         # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
         self.capacity = seq + spec + 1
@@ -79,30 +84,31 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs: object) -> Engine:
-        """An engine serving `model`'s current weights (weight_version 0)."""
-        cfg = model.cfg
-        assert isinstance(cfg, ModelConfig)
+        """An engine serving `model`'s current weights (weight_version 0).
+
+        Raises ValueError (SourceError) naming trainer tensors the model lacks or mis-shapes.
+        """
+        cfg = getattr(model, "cfg", None)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"model must carry a ModelConfig as .cfg, got {type(cfg).__name__}")
         engine = cls(cfg, **kwargs)  # type: ignore[arg-type]
-        engine.load_state(to_engine_layout(trainer_tensors(model, cfg)))
+        engine.commit_weights(served_weights(model, engine.manifest(), engine.device))
         return engine
 
     def manifest(self) -> dict[str, TensorSpec]:
         return dict(self._manifest)
 
     def commit_weights(self, new: dict[str, Tensor]) -> int:
-        """Serve `new` (exactly the manifest, converted) from now on; returns the new version."""
-        check_weights(new, self._manifest)
+        """Serve `new` from now on; returns the new version.
+
+        `new` must hold exactly the manifest's tensors with its shapes and dtypes: the refit
+        session checks that before it commits, and `from_model` builds it from the manifest.
+        The one invariant asserted here is the cheap half (the names).
+        """
+        assert new.keys() == self._manifest.keys(), "committed names differ from the manifest"
         self.weights = dict(new)  # one assignment: readers see the old or the new dict, never a mix
         self.weight_version += 1
         return self.weight_version
-
-    def load_state(self, named: Iterable[tuple[str, Tensor]]) -> int:
-        """Load a complete engine-layout state (cast / quantized as configured) and commit it."""
-        new = dict(convert(named, self._manifest, device=self.device))
-        missing = sorted(set(self._manifest) - set(new))
-        if missing:
-            raise ValueError(f"load_state: missing tensors {missing}")
-        return self.commit_weights(new)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -156,7 +162,7 @@ class Engine:
     ) -> list[SamplingParams]:
         """Validate a generate call; ValueError naming the offending prompt or field."""
         if self.weight_version < 0:
-            raise ValueError("engine has no weights loaded (use from_model or load_state)")
+            raise ValueError("engine has no weights loaded (use Engine.from_model or refit)")
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of token lists, got {prompts!r}")
         if len(prompts) > self.max_batch_size:
@@ -200,3 +206,25 @@ class Engine:
             )
             limit = self.max_speculative_tokens
             check(k <= limit, "num_speculative_tokens", k, f"engine max_speculative_tokens={limit}")
+
+
+@torch.no_grad()
+def served_weights(
+    model: torch.nn.Module, manifest: Mapping[str, TensorSpec], device: torch.device
+) -> dict[str, Tensor]:
+    """The manifest's tensors from `model`'s current weights: cast, or fp8 codes + scales."""
+    table = engine_parts(model.cfg)  # type: ignore[arg-type]
+    names = [part for parts in table.values() for part, _ in parts]
+    shapes = [shape for parts in table.values() for _, shape in parts]
+    found = iter(trainer_tensors(model, names, shapes))
+    new: dict[str, Tensor] = {}
+    for name, table_parts in table.items():
+        parts, spec = [next(found) for _ in table_parts], manifest[name]
+        if spec.dtype == FP8_DTYPE:
+            new[name], new[name + SCALE_SUFFIX] = quantize_parts(parts, device)
+            continue
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        for dst, part in zip(tensor.split([p.shape[0] for p in parts]), parts, strict=True):
+            dst.copy_(part)
+        new[name] = tensor
+    return new

@@ -1,15 +1,17 @@
 """Main-model and MTP-depth forward passes over a KV cache, reading weights by name.
 
-Legend: A active rows, T tokens of one chunk, L key positions, S streams, D model dim,
-H query heads, G kv heads, K head dim, V vocab.
+Legend: A active rows, T tokens of one chunk, N key (cache) positions, S streams, D model dim,
+H query heads, G kv heads, K head dim, F MLP hidden, V vocab.
 
 A chunk is T consecutive positions per active row, starting at a per-row position: prefill
 (positions 0..P-1), a plain decode step (1 position), a verify step (k+1 positions) or an MTP
 depth catching up on accepted positions. Rows with fewer than T real positions are padded; the
 padded slots read and write the cache's trash slot and their outputs are ignored.
 
-Numerics reuse the trainer's pure functions (rms_norm, apply_rope, mhc_coefficients, mix_in,
-mix_out, contraction_weights, expand_streams), so an fp32 engine matches the trainer to rounding.
+Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, apply_rope,
+swiglu, mhc_coefficients, mix_in, mix_out, plain_residual, contraction_weights, contract,
+single_stream, expand_streams, mtp_merge): the engine re-implements none of the model math, so an
+fp32 engine matches the trainer to rounding and a fused kernel replaces an op in one place.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave).
@@ -28,13 +30,17 @@ from birkhoff.config import ModelConfig
 from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
 from birkhoff.model.hyper import (
+    contract,
     contraction_weights,
     expand_streams,
     mhc_coefficients,
     mix_in,
     mix_out,
+    plain_residual,
+    single_stream,
 )
-from birkhoff.model.layers import apply_rope, rms_norm
+from birkhoff.model.layers import apply_rope, rms_norm, swiglu
+from birkhoff.model.mtp import mtp_merge
 
 Weights = dict[str, Tensor]
 
@@ -49,7 +55,7 @@ class Chunk:
     valid_AT: Tensor  # real (not padding) tokens
     cos_ATK: Tensor  # rope tables at the positions, [A,T,K/2]
     sin_ATK: Tensor
-    mask_A1TL: Tensor  # key position <= query position
+    mask_A1TN: Tensor  # key position <= query position
     limit: int  # keys are slots 0..limit-1
 
 
@@ -66,11 +72,11 @@ def make_chunk(
     offsets_T = torch.arange(T, device=device)
     valid_AT = offsets_T[None, :] < torch.tensor(lengths, device=device)[:, None]
     positions_AT = torch.where(valid_AT, starts_A[:, None] + offsets_T, trash)
-    keys_L = torch.arange(limit, device=device)
-    mask_A1TL = (keys_L[None, None, :] <= positions_AT[:, :, None])[:, None]
+    keys_N = torch.arange(limit, device=device)
+    mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
     prefix = len(rows) if rows == list(range(len(rows))) else None
     cos, sin = rope[0][positions_AT], rope[1][positions_AT]
-    return Chunk(rows_A, prefix, positions_AT, valid_AT, cos, sin, mask_A1TL, limit)
+    return Chunk(rows_A, prefix, positions_AT, valid_AT, cos, sin, mask_A1TN, limit)
 
 
 def read_cache(cache: KVCache, layer: int, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -86,21 +92,21 @@ def attention(
 ) -> Tensor:  # fmt: skip
     A, T, _ = x_ATD.shape
     H, G, K = cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    qkv_ATX = linear(x_ATD, w, prefix + "attn.wqkv.weight")
-    q_ATX, k_ATX, v_ATX = qkv_ATX.split([H * K, G * K, G * K], dim=-1)
-    q_ATHK = apply_rope(q_ATX.view(A, T, H, K), chunk.cos_ATK, chunk.sin_ATK)
-    k_ATGK = apply_rope(k_ATX.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK)
-    cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v_ATX.view(A, T, G, K))
-    k_AGLK, v_AGLK = read_cache(cache, layer, chunk)
+    # the fused projection: [A,T,H*K | G*K | G*K]
+    q, k, v = linear(x_ATD, w, prefix + "attn.wqkv.weight").split([H * K, G * K, G * K], dim=-1)
+    q_ATHK = apply_rope(q.view(A, T, H, K), chunk.cos_ATK, chunk.sin_ATK)
+    k_ATGK = apply_rope(k.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK)
+    cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
+    k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
     out_AHTK = F.scaled_dot_product_attention(
-        q_ATHK.transpose(1, 2), k_AGLK, v_AGLK, attn_mask=chunk.mask_A1TL, enable_gqa=H != G
+        q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
     )
     return linear(out_AHTK.transpose(1, 2).reshape(A, T, H * K), w, prefix + "attn.wo.weight")
 
 
 def mlp(x_ATD: Tensor, w: Weights, prefix: str) -> Tensor:
     gate_ATF, up_ATF = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight").chunk(2, dim=-1)
-    return linear(F.silu(gate_ATF) * up_ATF, w, prefix + "mlp.w_down.weight")
+    return linear(swiglu(gate_ATF, up_ATF), w, prefix + "mlp.w_down.weight")
 
 
 def hyper(
@@ -108,7 +114,7 @@ def hyper(
 ) -> Tensor:
     """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x))."""
     if cfg.num_streams == 1:
-        return x_ATSD + sublayer(x_ATSD[:, :, 0])[:, :, None, :]
+        return plain_residual(x_ATSD, sublayer)
     h_pre, h_post, h_res = mhc_coefficients(
         x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"],
         iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps,
@@ -136,18 +142,19 @@ def block(
 def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
     """Output contraction of the streams, then the final norm: the lm_head input [A,T,D]."""
     if cfg.num_streams == 1:
-        h_ATD = x_ATSD[:, :, 0]
+        h_ATD = single_stream(x_ATSD)
     else:
         w_ATS = contraction_weights(
             x_ATSD, w[prefix + "contraction.phi"], w[prefix + "contraction.alpha"],
             w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps,
         )  # fmt: skip
-        h_ATD = torch.einsum("bts,btsd->btd", w_ATS.to(x_ATSD.dtype), x_ATSD)
+        h_ATD = contract(x_ATSD, w_ATS)
     return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps)
 
 
-def lm_head(h_ND: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:
-    return linear(h_ND, w, "embed.weight" if cfg.tie_embeddings else "lm_head.weight")
+def lm_head(h_AD: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:
+    """Logits [..., V] of hidden states [..., D] (any leading dims)."""
+    return linear(h_AD, w, "embed.weight" if cfg.tie_embeddings else "lm_head.weight")
 
 
 def main_forward(
@@ -167,12 +174,11 @@ def mtp_forward(
     """Draft depth `depth` (0-based; beyond M-1 reuses the last depth's weights):
     h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))], one mHC block, own contraction + norm.
     Returns (h_k [A,T,S,D], lm_head input [A,T,D]); fills cache layer `depth`."""
-    prefix, eps = f"mtp.{min(depth, cfg.mtp_depth - 1)}.", cfg.norm_eps
-    emb_ATD = rms_norm(
-        F.embedding(tokens_AT, w["embed.weight"]), w[prefix + "embed_norm.weight"], eps
-    )
-    h_ATSD = rms_norm(h_prev_ATSD, w[prefix + "hidden_norm.weight"], eps)
-    merged_ATSX = torch.cat((h_ATSD, emb_ATD[:, :, None, :].expand_as(h_ATSD)), dim=-1)
-    x_ATSD = linear(merged_ATSX, w, prefix + "proj.weight")
+    prefix = f"mtp.{min(depth, cfg.mtp_depth - 1)}."
+    x_ATSD = mtp_merge(
+        h_prev_ATSD, F.embedding(tokens_AT, w["embed.weight"]), w[prefix + "hidden_norm.weight"],
+        w[prefix + "embed_norm.weight"], eps=cfg.norm_eps,
+        project=lambda merged: linear(merged, w, prefix + "proj.weight"),
+    )  # fmt: skip
     x_ATSD = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk)
     return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)

@@ -1,9 +1,9 @@
 """Static, preallocated decode state: K/V caches and the MTP drafter's stream buffers.
 
-Legend: L layers, B batch rows, H kv heads, C capacity (positions), K head dim, S streams,
-D model dim, T tokens of one chunk.
+Legend: L layers, B batch rows, G kv heads, N capacity (cache positions), K head dim,
+A active rows, T tokens of one chunk, J draft depths, S streams, D model dim.
 
-Layout: K and V are [L, B, H, C, K]; slot p of row b holds the token at position p of sequence
+Layout: K and V are [L, B, G, N, K]; slot p of row b holds the token at position p of sequence
 b (sequences are right-padded: every row starts at position 0). Rolling back after rejected
 drafts is therefore only a matter of the row's length: stale slots beyond it are masked by the
 causal position mask and overwritten before any query can see them. The last slot (`trash`) is
@@ -38,27 +38,27 @@ class KVCache:
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.batch, self.capacity = batch, capacity
+        self.capacity = capacity
 
     @property
     def trash(self) -> int:
         return self.capacity - 1
 
     def write(
-        self, layer: int, rows_A: Tensor, positions_AT: Tensor, k_ATHK: Tensor, v_ATHK: Tensor
+        self, layer: int, rows_A: Tensor, positions_AT: Tensor, k_ATGK: Tensor, v_ATGK: Tensor
     ) -> None:
-        # advanced indices around a slice put the broadcast [A,T] dims first: [A,T,H,K]
-        self.k[layer][rows_A[:, None], :, positions_AT] = k_ATHK
-        self.v[layer][rows_A[:, None], :, positions_AT] = v_ATHK
+        # advanced indices around a slice put the broadcast [A,T] dims first: [A,T,G,K]
+        self.k[layer][rows_A[:, None], :, positions_AT] = k_ATGK
+        self.v[layer][rows_A[:, None], :, positions_AT] = v_ATGK
 
     def read(self, layer: int, limit: int) -> tuple[Tensor, Tensor]:
-        """K, V [B,H,limit,K] of positions 0..limit-1, as views (no copy)."""
+        """K, V [B,G,limit,K] of positions 0..limit-1, as views (no copy)."""
         assert limit < self.capacity, f"read limit {limit} reaches the trash slot"
         return self.k[layer, :, :, :limit], self.v[layer, :, :, :limit]
 
 
 class StreamBuffer:
-    """Per-position multistream states h_0..h_{N-1}: [N, B, C, S, D]."""
+    """Per-position multistream states h_0..h_{J-1} of the draft depths: [J, B, N, S, D]."""
 
     def __init__(
         self,
@@ -82,8 +82,7 @@ class StreamBuffer:
 
 
 class DrafterState:
-    """The MTP drafter's caches for `num_drafts` chained depths."""
+    """The MTP drafter's caches and stream buffers for J chained depths."""
 
     def __init__(self, cache: KVCache, streams: StreamBuffer) -> None:
         self.cache, self.streams = cache, streams
-        self.num_drafts = cache.k.shape[0]

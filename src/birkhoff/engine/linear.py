@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.refit.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
+from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:

@@ -1,6 +1,6 @@
 """Sampling parameters and the per-row sampling distribution.
 
-Legend: N rows (sequences, or sequences x positions flattened), V vocab.
+Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab.
 
 The distribution a token is sampled from (`target_logprobs`):
 - temperature > 0: logits / temperature, then top-k (keep the k largest; 0 = off), then top-p
@@ -67,10 +67,10 @@ class SamplingParams:
 class RowSampling(NamedTuple):
     """Per-row sampling parameters as tensors, so rows with different params share a batch."""
 
-    temperature_N: Tensor
-    top_k_N: Tensor
-    top_p_N: Tensor
-    greedy_N: Tensor
+    temperature_A: Tensor
+    top_k_A: Tensor
+    top_p_A: Tensor
+    greedy_A: Tensor
     filtered: bool  # some sampled row uses top-k or top-p (else the sort is skipped)
 
     @classmethod
@@ -100,34 +100,34 @@ class RowSampling(NamedTuple):
         return RowSampling(t, k, p, g, self.filtered)
 
 
-def filter_top_k_top_p(z_NV: Tensor, top_k_N: Tensor, top_p_N: Tensor) -> Tensor:
+def filter_top_k_top_p(z_AV: Tensor, top_k_A: Tensor, top_p_A: Tensor) -> Tensor:
     """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf."""
-    sorted_NV, order_NV = z_NV.sort(dim=-1, descending=True)
-    rank_V = torch.arange(z_NV.shape[-1], device=z_NV.device)
-    drop_NV = (top_k_N[:, None] > 0) & (rank_V[None, :] >= top_k_N[:, None])
-    sorted_NV = sorted_NV.masked_fill(drop_NV, -math.inf)
-    probs_NV = sorted_NV.softmax(dim=-1)
-    mass_before_NV = probs_NV.cumsum(dim=-1) - probs_NV  # first token: 0 < top_p, always kept
-    drop_NV = drop_NV | ((top_p_N[:, None] < 1) & (mass_before_NV >= top_p_N[:, None]))
-    sorted_NV = sorted_NV.masked_fill(drop_NV, -math.inf)
-    return torch.full_like(z_NV, -math.inf).scatter(-1, order_NV, sorted_NV)
+    sorted_AV, order_AV = z_AV.sort(dim=-1, descending=True)
+    rank_V = torch.arange(z_AV.shape[-1], device=z_AV.device)
+    drop_AV = (top_k_A[:, None] > 0) & (rank_V[None, :] >= top_k_A[:, None])
+    sorted_AV = sorted_AV.masked_fill(drop_AV, -math.inf)
+    probs_AV = sorted_AV.softmax(dim=-1)
+    mass_before_AV = probs_AV.cumsum(dim=-1) - probs_AV  # first token: 0 < top_p, always kept
+    drop_AV = drop_AV | ((top_p_A[:, None] < 1) & (mass_before_AV >= top_p_A[:, None]))
+    sorted_AV = sorted_AV.masked_fill(drop_AV, -math.inf)
+    return torch.full_like(z_AV, -math.inf).scatter(-1, order_AV, sorted_AV)
 
 
-def target_logprobs(logits_NV: Tensor, rs: RowSampling) -> Tensor:
+def target_logprobs(logits_AV: Tensor, rs: RowSampling) -> Tensor:
     """Log-probabilities of the distribution each row samples from (see the module docstring)."""
-    z_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
-    z_NV = z_NV / rs.temperature_N.to(z_NV.dtype)[:, None]
+    z_AV = logits_AV.to(torch.promote_types(logits_AV.dtype, torch.float32))
+    z_AV = z_AV / rs.temperature_A.to(z_AV.dtype)[:, None]
     if rs.filtered:
-        z_NV = filter_top_k_top_p(z_NV, rs.top_k_N, rs.top_p_N)
-    return F.log_softmax(z_NV, dim=-1)
+        z_AV = filter_top_k_top_p(z_AV, rs.top_k_A, rs.top_p_A)
+    return F.log_softmax(z_AV, dim=-1)
 
 
-def sampling_probs(logp_NV: Tensor, greedy_N: Tensor) -> Tensor:
+def sampling_probs(logp_AV: Tensor, greedy_A: Tensor) -> Tensor:
     """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
-    one_hot_NV = F.one_hot(logp_NV.argmax(dim=-1), logp_NV.shape[-1]).to(logp_NV.dtype)
-    return torch.where(greedy_N[:, None], one_hot_NV, logp_NV.exp())
+    one_hot_AV = F.one_hot(logp_AV.argmax(dim=-1), logp_AV.shape[-1]).to(logp_AV.dtype)
+    return torch.where(greedy_A[:, None], one_hot_AV, logp_AV.exp())
 
 
-def sample(probs_NV: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row from (unnormalised, non-negative) `probs_NV`."""
-    return torch.multinomial(probs_NV, 1, generator=generator).squeeze(-1)
+def sample(probs_AV: Tensor, generator: torch.Generator) -> Tensor:
+    """One token per row from (unnormalised, non-negative) `probs_AV`."""
+    return torch.multinomial(probs_AV, 1, generator=generator).squeeze(-1)

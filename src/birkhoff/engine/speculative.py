@@ -1,6 +1,6 @@
 """Speculative decoding: exact acceptance of MTP drafts, and its statistics.
 
-Legend: A active rows, K drafts per step, V vocab.
+Legend: A active rows, J drafts per step, T = J+1 verified positions, V vocab.
 
 Drafting (see decode.py): depth k at the last accepted position i sees h_{k-1} at i and
 Emb(t_{i+k}) and proposes t_{i+k+1}, exactly as the MTP depths are trained; drafts beyond the
@@ -9,7 +9,7 @@ model's M depths reuse the last depth, chained on its own output streams.
 Acceptance (`accept_drafts`, Leviathan et al. / Chen et al.): with q_j the distribution draft j was
 sampled from and p_j the main model's distribution at the same position, accept draft x_j with
 probability min(1, p_j(x)/q_j(x)), left to right; at the first rejection sample from
-norm(max(0, p_j - q_j)); if all K are accepted, sample a bonus token from p_K. Every emitted token
+norm(max(0, p_j - q_j)); if all J are accepted, sample a bonus token from p_J. Every emitted token
 is then distributed exactly as p, so speculative and plain sampling agree in distribution. For
 greedy rows p and q are one-hot at the argmax, so the same rule is argmax agreement, and the
 emitted tokens are exactly the greedy tokens.
@@ -26,24 +26,24 @@ from birkhoff.engine.sampling import sample
 
 
 def accept_drafts(
-    p_AKV: Tensor, q_AKV: Tensor, drafts_AK: Tensor, generator: torch.Generator
+    p_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
     """(number of accepted drafts [A], the next token [A]) by exact rejection sampling.
 
-    p_AKV: target probabilities at the K+1 verified positions [A,K+1,V];
-    q_AKV: draft probabilities [A,K,V]; drafts_AK: the drafted tokens (sampled from q).
+    p_ATV: target probabilities at the T = J+1 verified positions;
+    q_AJV: draft probabilities; drafts_AJ: the drafted tokens (sampled from q).
     """
-    A, K = drafts_AK.shape
-    p_draft_AK = p_AKV[:, :K].gather(-1, drafts_AK[..., None]).squeeze(-1)
-    q_draft_AK = q_AKV.gather(-1, drafts_AK[..., None]).squeeze(-1)
-    u_AK = torch.rand(A, K, generator=generator, device=p_AKV.device, dtype=p_AKV.dtype)
-    ok_AK = u_AK * q_draft_AK < p_draft_AK  # u < p/q without dividing; q(x) > 0 as x ~ q
-    num_accepted_A = ok_AK.long().cumprod(dim=1).sum(dim=1)
-    rows_A = torch.arange(A, device=p_AKV.device)
-    p_next_AV = p_AKV[rows_A, num_accepted_A]
-    # q is zero past the last draft, so with everything accepted the residual is p_K itself
-    q_padded_AKV = torch.cat((q_AKV, torch.zeros_like(q_AKV[:, :1])), dim=1)
-    residual_AV = (p_next_AV - q_padded_AKV[rows_A, num_accepted_A]).clamp_min(0)
+    A, J = drafts_AJ.shape
+    p_draft_AJ = p_ATV[:, :J].gather(-1, drafts_AJ[..., None]).squeeze(-1)
+    q_draft_AJ = q_AJV.gather(-1, drafts_AJ[..., None]).squeeze(-1)
+    u_AJ = torch.rand(A, J, generator=generator, device=p_ATV.device, dtype=p_ATV.dtype)
+    ok_AJ = u_AJ * q_draft_AJ < p_draft_AJ  # u < p/q without dividing; q(x) > 0 as x ~ q
+    num_accepted_A = ok_AJ.long().cumprod(dim=1).sum(dim=1)
+    rows_A = torch.arange(A, device=p_ATV.device)
+    p_next_AV = p_ATV[rows_A, num_accepted_A]
+    # q is zero past the last draft, so with everything accepted the residual is p_J itself
+    q_padded_ATV = torch.cat((q_AJV, torch.zeros_like(q_AJV[:, :1])), dim=1)
+    residual_AV = (p_next_AV - q_padded_ATV[rows_A, num_accepted_A]).clamp_min(0)
     # rounding can empty the residual where p ~ q (then rejection had ~zero probability)
     empty_A1 = residual_AV.sum(dim=-1, keepdim=True) <= 0
     residual_AV = torch.where(empty_A1, p_next_AV, residual_AV)

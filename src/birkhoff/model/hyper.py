@@ -115,7 +115,7 @@ class PlainResidual(nn.Module):
     """S = 1: x + F(x), exactly the pre-norm transformer residual."""
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        return x_BTSD + sublayer(x_BTSD[:, :, 0])[:, :, None, :]
+        return plain_residual(x_BTSD, sublayer)
 
 
 def build_hyper_connection(cfg: ModelConfig, *, home: int) -> nn.Module:
@@ -156,17 +156,36 @@ class StreamContraction(nn.Module):
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
         w_BTS = contraction_weights(x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps)
-        return torch.einsum("bts,btsd->btd", w_BTS.to(x_BTSD.dtype), x_BTSD)
+        return contract(x_BTSD, w_BTS)
 
 
 class SqueezeStreams(nn.Module):
     """S = 1: the single stream is the hidden state."""
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
-        return x_BTSD[:, :, 0]
+        return single_stream(x_BTSD)
 
 
 def build_contraction(dim: int, num_streams: int, *, norm_eps: float) -> nn.Module:
     if num_streams == 1:
         return SqueezeStreams()
     return StreamContraction(dim, num_streams, norm_eps=norm_eps)
+
+
+# Pure functions the trainer's modules above and the engine's forward both call, so a fused
+# kernel replaces each op in one place.
+
+
+def plain_residual(x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+    """S = 1: x + F(x) on the single stream, exactly the pre-norm transformer residual."""
+    return x_BTSD + sublayer(x_BTSD[:, :, 0])[:, :, None, :]
+
+
+def contract(x_BTSD: Tensor, w_BTS: Tensor) -> Tensor:
+    """Output contraction sum_s w_s x_s -> [B,T,D], with w from `contraction_weights`."""
+    return torch.einsum("bts,btsd->btd", w_BTS.to(x_BTSD.dtype), x_BTSD)
+
+
+def single_stream(x_BTSD: Tensor) -> Tensor:
+    """S = 1: the output contraction is the single stream itself -> [B,T,D]."""
+    return x_BTSD[:, :, 0]

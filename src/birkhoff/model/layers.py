@@ -1,6 +1,6 @@
 """Standard transformer pieces: RMSNorm, rotary embedding, grouped-query attention, SwiGLU.
 
-Legend: B batch, T tokens, D model dim, H heads, K head dim, F mlp hidden.
+Legend: B batch, T tokens, D model dim, H query heads, G kv heads, K head dim, F MLP hidden.
 
 Design choices:
 - Norms and rope run in at least fp32 (`_compute_dtype`): fp64 inputs stay fp64 so the CPU
@@ -10,7 +10,8 @@ Design choices:
   variants (linear, llama3, yarn) are one function each on the inverse frequencies, matching
   transformers' rope init functions; dynamic NTK and longrope are left out (import refuses them).
 - Projections are separate (wq, wk, wv; w_gate, w_up) in the trainer layout; the engine fuses
-  them (see birkhoff/refit/layout.py).
+  them (see birkhoff/engine/layout.py) and calls the same pure functions (`rms_norm`,
+  `apply_rope`, `swiglu`).
 """
 
 from __future__ import annotations
@@ -147,20 +148,20 @@ class Attention(nn.Module):
     def forward(self, x_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         B, T, _ = x_BTD.shape
         q_BTHK = self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim)
-        k_BTHK = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
-        v_BTHK = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        k_BTGK = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        v_BTGK = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
-        q_BTHK, k_BTHK = apply_rope(q_BTHK, *rope), apply_rope(k_BTHK, *rope)
-        out_BHTK = causal_attention(q_BTHK, k_BTHK, v_BTHK)
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
+        out_BHTK = causal_attention(q_BTHK, k_BTGK, v_BTGK)
         return self.wo(out_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 
-def causal_attention(q_BTHK: Tensor, k_BTHK: Tensor, v_BTHK: Tensor) -> Tensor:
+def causal_attention(q_BTHK: Tensor, k_BTGK: Tensor, v_BTGK: Tensor) -> Tensor:
     """SDPA with GQA: kv heads are repeated to match query heads. Returns [B,H,T,K]."""
-    groups = q_BTHK.shape[2] // k_BTHK.shape[2]
-    k_BTHK = k_BTHK.repeat_interleave(groups, dim=2) if groups > 1 else k_BTHK
-    v_BTHK = v_BTHK.repeat_interleave(groups, dim=2) if groups > 1 else v_BTHK
+    groups = q_BTHK.shape[2] // k_BTGK.shape[2]
+    k_BTHK = k_BTGK.repeat_interleave(groups, dim=2) if groups > 1 else k_BTGK
+    v_BTHK = v_BTGK.repeat_interleave(groups, dim=2) if groups > 1 else v_BTGK
     return F.scaled_dot_product_attention(
         q_BTHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHK.transpose(1, 2), is_causal=True
     )
@@ -174,4 +175,9 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x_BTD)) * self.w_up(x_BTD))
+        return self.w_down(swiglu(self.w_gate(x_BTD), self.w_up(x_BTD)))
+
+
+def swiglu(gate_BTF: Tensor, up_BTF: Tensor) -> Tensor:
+    """The SwiGLU activation silu(gate) * up (the projections around it are the caller's)."""
+    return F.silu(gate_BTF) * up_BTF

@@ -18,6 +18,8 @@ around and nothing is shifted twice. Loss is a per-token mean with the count cla
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 from birkhoff.config import ModelConfig
 from birkhoff.model.block import Block
 from birkhoff.model.hyper import build_contraction
-from birkhoff.model.layers import RMSNorm
+from birkhoff.model.layers import RMSNorm, rms_norm
 
 
 def shift_targets(labels_BT: Tensor, mask_BT: Tensor, shift: int) -> tuple[Tensor, Tensor]:
@@ -78,9 +80,28 @@ class MTPDepth(nn.Module):
     def merge(self, h_BTSD: Tensor, emb_BTD: Tensor) -> Tensor:
         """h'_k: per stream, W_k [RMSNorm(h); RMSNorm(emb)] -> [B,T,S,D]."""
         self.check_streams(h_BTSD)
-        e_BTSD = self.embed_norm(emb_BTD)[:, :, None, :].expand_as(h_BTSD)
-        return self.proj(torch.cat((self.hidden_norm(h_BTSD), e_BTSD), dim=-1))
+        return mtp_merge(
+            h_BTSD, emb_BTD, self.hidden_norm.weight, self.embed_norm.weight,
+            eps=self.hidden_norm.eps, project=self.proj,
+        )  # fmt: skip
+
+    def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """h_k = Block_k(h'_k): the merge, then the depth's mHC block, as one recompute unit."""
+        return self.block(self.merge(h_BTSD, emb_BTD), rope)
 
     def head_input(self, h_BTSD: Tensor) -> Tensor:
         """Own contraction + norm: the input of the shared lm_head, [B,T,D]."""
         return self.norm(self.contraction(h_BTSD))
+
+
+def mtp_merge(
+    h_BTSD: Tensor, emb_BTD: Tensor, hidden_norm_D: Tensor, embed_norm_D: Tensor, *, eps: float,
+    project: Callable[[Tensor], Tensor],
+) -> Tensor:  # fmt: skip
+    """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(emb)] on every stream -> [B,T,S,D].
+
+    `project` applies W_k ([D, 2D]) to the concatenation [B,T,S,2D]; the trainer passes its
+    nn.Linear, the engine its (possibly fp8) matmul, so both run this one function.
+    """
+    e_BTSD = rms_norm(emb_BTD, embed_norm_D, eps)[:, :, None, :].expand_as(h_BTSD)
+    return project(torch.cat((rms_norm(h_BTSD, hidden_norm_D, eps), e_BTSD), dim=-1))

@@ -7,15 +7,13 @@ lm_head) and the pre-contraction multistream [B,T,S,D]; the MTP depths consume t
 `forward()` computes the main next-token loss and one loss per MTP depth from the input ids
 (`labels` are the input ids; shifts happen inside, see mtp.py).
 
-Recompute: with `cfg.recompute == "full"` every block and every MTP depth runs under
-`birkhoff.recompute.checkpoint` with `cfg.reclaim`; `run_checkpointed` is the single place that
-decides this, so the numerics of both paths are the same code.
+Recompute is not the model's business: `birkhoff.train.recompute.apply_recompute` wraps every block
+and every MTP depth (its merge and block as one unit) from outside, keeping every parameter name.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -81,23 +79,11 @@ class Transformer(nn.Module):
         positions_BT = torch.arange(T, device=device)[None, :]
         return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, cfg=self.cfg)
 
-    def run_checkpointed(self, fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
-        """Run `fn(*args)`, under recompute when the config asks for it (`name` labels it)."""
-        if self.cfg.recompute == "none" or not torch.is_grad_enabled():
-            return fn(*args)
-        from birkhoff.recompute import checkpoint
-
-        out = checkpoint(fn, *args, reclaim=self.cfg.reclaim, name=name)
-        assert isinstance(out, Tensor)
-        return out
-
     def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         x_BTSD = expand_streams(self.embed(input_ids_BT), self.cfg.num_streams)
-        for i, block in enumerate(self.blocks):
-            x_BTSD = self.run_checkpointed(
-                lambda x, b=block: b(x, rope), x_BTSD, name=f"layers.{i}"
-            )
+        for block in self.blocks:
+            x_BTSD = block(x_BTSD, rope)
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
 
     def mtp_hidden(self, multistream_BTSD: Tensor, input_ids_BT: Tensor) -> list[Tensor]:
@@ -109,11 +95,7 @@ class Transformer(nn.Module):
         h_BTSD, outs = multistream_BTSD, []
         for k, depth in enumerate(self.mtp_depths, start=1):
             emb_BTD = self.embed(torch.roll(input_ids_BT, -k, dims=1))
-
-            def run(h: Tensor, e: Tensor, d: MTPDepth = depth) -> Tensor:
-                return d.block(d.merge(h, e), rope)
-
-            h_BTSD = self.run_checkpointed(run, h_BTSD, emb_BTD, name=f"mtp.{k - 1}")
+            h_BTSD = depth(h_BTSD, emb_BTD, rope)
             outs.append(depth.head_input(h_BTSD))
         return outs
 

@@ -1,54 +1,40 @@
 """RefitSession: stage buckets, check completeness once, commit atomically.
 
 Protocol: `begin()` -> `load_bucket(bucket)` any number of times, in any order, with any bucket
-size -> `finish(check_finite=False)` (or `abort()`). Buckets are written into staging tensors,
-never into the live weights, so generation keeps using the previous version throughout.
+size -> `finish(check_finite=False)` (or `abort()`). Buckets are staged, never written into the
+live weights, so generation keeps using the previous version throughout.
 
-The completeness check runs exactly once, in `finish`, against `engine.manifest()`: every manifest
-name arrived exactly once (no overlapping chunk), fully covered, with the manifest's shape and
-dtype, nothing unexpected arrived and, with `check_finite=True`, every floating tensor is finite.
-A per-bucket check cannot work (a bucket holding no MTP weight is not an incomplete update) and a
-check that is switched off lets a missing weight through; this is the one place it belongs.
-On any failure `RefitError` lists every problem by name and the engine keeps its weights and
-`weight_version`; on success `engine.commit_weights` swaps the whole dict and bumps the version.
+The completeness check runs exactly once per update (`check`, called by `finish`, or by the
+two-phase finish of a distributed refit before `commit`), against `engine.manifest()`: every
+manifest name arrived exactly once (no overlapping chunk), fully covered, with the manifest's
+shape and dtype, nothing unexpected arrived and, with `check_finite=True`, every floating tensor
+is finite. A per-bucket check cannot work (a bucket holding no MTP weight is not an incomplete
+update) and a check that is switched off lets a missing weight through; this is the one place
+it belongs. On any failure `RefitError` lists every problem by name and the engine keeps its
+weights and `weight_version`; on success `engine.commit_weights` swaps the whole dict and bumps
+the version.
 
-Design choices: the staging dict is allocated lazily from the chunks' own metadata, so an
-unexpected or mis-shaped tensor is still staged and reported precisely rather than crashing a
-copy. A transferable bucket (its sender never writes it again) is adopted: its whole tensors
-become views of its buffer, so an in-process refit moves every byte once (trainer -> bucket,
-cast fused in) and a broadcast receives straight into the memory the engine will serve.
-The finiteness flags of all tensors are reduced on the device and read back with one host sync.
-Left out: detecting a concurrent commit by another session (single writer assumed), and
-reusing the previous version's buffers as the next staging area.
+Design choices: a bucket handed to `load_bucket` belongs to the session from then on, so its
+whole tensors are staged as views of its buffer (an in-process refit moves every byte once:
+trainer -> bucket with the cast fused in; a broadcast receives straight into the memory the
+engine will serve); only chunks of tensors larger than a bucket are copied into a staging tensor
+allocated from the chunks' own metadata, so an unexpected or mis-shaped tensor is still staged
+and reported precisely rather than crashing a copy. The finiteness flags of all tensors are
+reduced on the device and read back with one host sync.
+Left out: detecting a concurrent commit by another session (single writer assumed).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from birkhoff.refit.bucket import Assembler, Bucket, unpack_typed
-
-
-class TensorSpecLike(Protocol):
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-
-class RefitTarget(Protocol):
-    """What a refit needs from an engine."""
-
-    weights: dict[str, Tensor]
-    weight_version: int
-
-    def manifest(self) -> Mapping[str, Any]: ...
-    def commit_weights(self, new: dict[str, Tensor]) -> int: ...
+from birkhoff.engine import Engine, TensorSpec
+from birkhoff.refit.bucket import Assembler, Bucket
 
 
 class RefitReport(NamedTuple):
@@ -97,13 +83,6 @@ class RefitError(RuntimeError):
                     self.incomplete, self.non_finite))  # fmt: skip
 
 
-def engine_device(engine: RefitTarget) -> torch.device:
-    """The device of the engine's weights (cpu for an engine with none)."""
-    for tensor in engine.weights.values():
-        return tensor.device
-    return torch.device("cpu")
-
-
 def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
@@ -123,40 +102,27 @@ def _non_finite(tensors: Mapping[str, Tensor]) -> list[str]:
 class RefitSession:
     """One weight update of `engine`: stage, check once, commit atomically."""
 
-    def __init__(self, engine: RefitTarget, *, device: torch.device | str | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.device = torch.device(device) if device is not None else engine_device(engine)
+        self.device = engine.device
         self._staging: Assembler | None = None
+        self._checked = False
         self._num_buckets = 0
         self._bytes = 0
         self._start = 0.0
 
-    @property
-    def active(self) -> bool:
-        return self._staging is not None
-
     def begin(self) -> None:
         if self._staging is not None:
             raise RuntimeError("refit session already begun; finish() or abort() it first")
-        self._staging = Assembler(self.device)
+        self._staging, self._checked = Assembler(self.device), False
         self._num_buckets, self._bytes, self._start = 0, 0, time.perf_counter()
 
     def load_bucket(self, bucket: Bucket) -> None:
-        """Stage a bucket's chunks; problems are recorded for finish(), not raised.
-
-        Whole tensors of a transferable bucket are kept as views of its buffer (zero-copy);
-        everything else is copied into staging tensors.
-        """
+        """Stage a bucket (it now belongs to the session); problems are recorded, not raised."""
         if self._staging is None:
             raise RuntimeError("load_bucket() before begin()")
-        if bucket.transferable and bucket.views is not None:
-            self._staging.adopt_views(bucket)
-            self._bytes += sum(entry.nbytes for entry in bucket.entries)
-        else:
-            store = self._staging.adopt if bucket.transferable else self._staging.add
-            for entry, chunk in unpack_typed(bucket):
-                store(entry, chunk)
-                self._bytes += entry.nbytes
+        self._staging.stage(bucket)
+        self._bytes += sum(entry.nbytes for entry in bucket.entries)
         self._num_buckets += 1
 
     def check(self, *, check_finite: bool = False) -> RefitError:
@@ -164,17 +130,18 @@ class RefitSession:
         if self._staging is None:
             raise RuntimeError("check() before begin()")
         staged, manifest = self._staging, self.engine.manifest()
-        mismatched = self._mismatched(manifest)
-        return RefitError(
+        problems = RefitError(
             missing=[n for n in manifest if n not in staged.specs],
             unexpected=[n for n in staged.specs if n not in manifest],
             duplicated=list(staged.duplicated),
-            mismatched=mismatched,
+            mismatched=self._mismatched(manifest),
             incomplete=list(staged.incomplete() - staged.duplicated - staged.inconsistent),
             non_finite=_non_finite(staged.tensors) if check_finite else [],
         )
+        self._checked = not problems
+        return problems
 
-    def _mismatched(self, manifest: Mapping[str, Any]) -> dict[str, str]:
+    def _mismatched(self, manifest: Mapping[str, TensorSpec]) -> dict[str, str]:
         assert self._staging is not None
         out = {n: "chunks disagree on dtype/shape/size" for n in self._staging.inconsistent}
         for name, (dtype, shape, _) in self._staging.specs.items():
@@ -184,20 +151,25 @@ class RefitSession:
                 out[name] = f"got {got}, expected {want}"
         return out
 
-    def finish(self, *, check_finite: bool = False) -> RefitReport:
-        """Check once; commit atomically or raise RefitError (engine unchanged either way)."""
-        problems = self.check(check_finite=check_finite)
+    def commit(self) -> RefitReport:
+        """Commit an update that `check` passed; ends the session."""
         staged = self._staging
-        assert staged is not None
-        self._staging = None  # the session is over whatever happens next
-        if problems:
-            raise problems
+        assert staged is not None and self._checked, "commit() needs a passing check()"
+        self._staging = None
         manifest = self.engine.manifest()
         version = self.engine.commit_weights({n: staged.tensors[n] for n in manifest})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # seconds include the queued copies
         seconds = time.perf_counter() - self._start
         return RefitReport(version, len(manifest), self._num_buckets, self._bytes, seconds)
+
+    def finish(self, *, check_finite: bool = False) -> RefitReport:
+        """Check once; commit atomically or raise RefitError (engine unchanged either way)."""
+        problems = self.check(check_finite=check_finite)
+        if problems:
+            self._staging = None  # the session is over
+            raise problems
+        return self.commit()
 
     def abort(self) -> None:
         """Drop everything staged; the engine never saw any of it."""

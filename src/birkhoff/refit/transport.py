@@ -1,65 +1,97 @@
 """Transports: how buckets travel from the trainer to the engine's RefitSession.
 
 A transport is the sender's view of a remote (or local) session: `begin`, `manifest`, `send`,
-`finish`, `abort`, and the `device` on which the sender should build its buckets.
+`finish`, `abort`, the `device` on which the sender builds its buckets, and `bank(layout)`: the
+bucket memory the sender writes next. Each transport owns that memory by a rule it can prove:
 
-- `InProcessTransport`: trainer and engine in one process. `send` hands the bucket object itself to
-  the session (zero-copy); the only copy is the session's one from bucket into staging.
+- `InProcessTransport`: trainer and engine in one process. `send` hands the bucket itself to the
+  session, which serves its whole tensors as views (zero-copy). So the engine owns the bank of
+  the version it serves; the next refit writes a bank the engine does not serve (an identity
+  check of one served tensor against the bank's view), which in steady state alternates between
+  two banks per engine with no allocation. Ownership rule for everyone else: tensors of version
+  n stay intact until the engine commits version n+2 (clone what you keep longer); refits and
+  generate calls come from one thread, and on CUDA one stream orders a refit's copies after the
+  kernels that read the bank before.
 - `BroadcastSender` / `serve_refit`: one trainer rank broadcasts to engine ranks through
   `torch.distributed` (gloo on CPU, nccl on GPU). Control messages and bucket metadata go through
   `broadcast_object_list`, the payload through `broadcast` of the uint8 buffer. The manifest comes
-  from one engine rank (`engine_src`), so the sender never guesses dtypes. Each engine rank
-  receives every bucket into a fresh buffer that its session adopts, so whole tensors are served
-  from the received bytes without a copy.
+  from one engine rank (`engine_src`), so the sender never guesses dtypes. The sender's bank
+  cycles two buffers (a bucket's memory is written again two buckets later, after the broadcast
+  that read it); each engine rank receives every bucket into a fresh buffer its session keeps.
 
 Commit across engine ranks is two-phase: on `finish` every engine rank checks its staged update,
 all ranks (the sender included) exchange the verdicts with `all_gather_object`, and only if every
-rank passed does each commit; otherwise every rank aborts and raises the same `RefitError`. So a
-replica never serves a version that another replica rejected. Left out: point-to-point or RDMA
-transfer, sending a plan's bucket metadata once instead of per bucket (each control message is
-a small broadcast the receiver waits for), and recovering from a rank that dies mid-session.
+rank passed does each commit (without checking again); otherwise every rank aborts and raises
+the same `RefitError`. So a replica never serves a version that another replica rejected. Left
+out: point-to-point or RDMA transfer, sending the bucket metadata once instead of per bucket
+(each control message is a small broadcast the receiver waits for), and recovering from a rank
+that dies mid-session.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from birkhoff.engine import Engine, TensorSpec
 from birkhoff.refit.bucket import Bucket
-from birkhoff.refit.session import RefitError, RefitReport, RefitSession, RefitTarget
+from birkhoff.refit.pack import Bank, RefitLayout
+from birkhoff.refit.session import RefitError, RefitReport, RefitSession
 
 
 class Transport(Protocol):
     device: torch.device
-    # True: the receiver may keep sent buffers, so the sender allocates one per bucket
-    # False: the sender cycles two preallocated buffers
-    adopts_buckets: bool
 
     def begin(self) -> None: ...
-    def manifest(self) -> Mapping[str, Any]: ...
+    def manifest(self) -> Mapping[str, TensorSpec]: ...
+    def bank(self, layout: RefitLayout) -> Bank: ...
     def send(self, bucket: Bucket) -> None: ...
     def finish(self, *, check_finite: bool = False) -> RefitReport: ...
     def abort(self) -> None: ...
 
 
+# per engine, the banks of its current layout (at most two): the engine's memory, kept with it
+_ENGINE_BANKS: weakref.WeakKeyDictionary[Engine, list[Bank]] = weakref.WeakKeyDictionary()
+
+
+def _serves(engine: Engine, bank: Bank) -> bool:
+    """True if the engine serves this bank's memory (its whole tensors are the bank's views)."""
+    for entries, views in zip(bank.layout.buckets, bank.views, strict=True):
+        for entry, view in zip(entries.entries, views, strict=True):
+            if view is not None:
+                return engine.weights.get(entry.name) is view
+    return False  # a bank of chunks only: served tensors are staging copies, never bank memory
+
+
 class InProcessTransport:
-    """Same process, same device: buckets go straight into a RefitSession."""
+    """Same process: buckets go straight into a RefitSession of `engine`."""
 
-    adopts_buckets = True
-
-    def __init__(self, engine: RefitTarget) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.session = RefitSession(engine)
-        self.device = self.session.device
+        self.device = engine.device
 
     def begin(self) -> None:
         self.session.begin()
 
-    def manifest(self) -> Mapping[str, Any]:
+    def manifest(self) -> Mapping[str, TensorSpec]:
         return self.engine.manifest()
+
+    def bank(self, layout: RefitLayout) -> Bank:
+        """A bank of `layout` that the engine does not serve (made if there is none)."""
+        banks = [b for b in _ENGINE_BANKS.get(self.engine, []) if b.layout is layout]
+        free = next((b for b in banks if not _serves(self.engine, b)), None)
+        if free is None:
+            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+                       for b in layout.buckets]  # fmt: skip
+            free = Bank(layout, buffers)
+            banks = [*banks[-1:], free]  # the served one (if any) and the new one
+        _ENGINE_BANKS[self.engine] = banks
+        return free
 
     def send(self, bucket: Bucket) -> None:
         self.session.load_bucket(bucket)
@@ -104,8 +136,6 @@ def _merge_verdicts(verdicts: list[Any]) -> RefitError:
 class BroadcastSender:
     """Trainer side of a torch.distributed broadcast refit (this rank is `src`)."""
 
-    adopts_buckets = False  # the payload is copied by the broadcast; keep reusing two buffers
-
     def __init__(
         self,
         *,
@@ -119,6 +149,7 @@ class BroadcastSender:
         self._manifest: Mapping[str, Any] | None = None
         self._open = False  # receivers are inside a session
         self._pending: dist.Work | None = None  # the last payload broadcast (CUDA), not waited for
+        self._bank: Bank | None = None
 
     def _control(self, message: dict[str, Any]) -> None:
         _bcast_object(message, src=self.src, group=self.group)
@@ -133,10 +164,18 @@ class BroadcastSender:
             raise RuntimeError("manifest() before begin()")
         return self._manifest
 
+    def bank(self, layout: RefitLayout) -> Bank:
+        """The sender's one bank: bucket i lives in buffer i % 2 (the broadcast copies it out)."""
+        if self._bank is None or self._bank.layout is not layout:
+            size = max((b.nbytes for b in layout.buckets), default=0)
+            pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
+            self._bank = Bank(layout, [pool[i % 2] for i in range(len(layout.buckets))])
+        return self._bank
+
     def send(self, bucket: Bucket) -> None:
         """Broadcast one bucket; on CUDA the payload overlaps the packing of the next bucket.
 
-        The packer cycles two buffers, so the bucket after next reuses this one's memory: once
+        The bank cycles two buffers, so the bucket after next reuses this one's memory: once
         the next payload is queued, the compute stream is made to wait for this one (no host
         sync). On CPU (gloo) every broadcast completes before `send` returns.
         """
@@ -176,7 +215,7 @@ class BroadcastSender:
 
 
 def serve_refit(
-    engine: RefitTarget, *, src: int, engine_src: int, group: dist.ProcessGroup | None = None
+    engine: Engine, *, src: int, engine_src: int, group: dist.ProcessGroup | None = None
 ) -> RefitReport | None:
     """Engine side of one broadcast refit: receive until finish/abort; None when aborted.
 
@@ -191,10 +230,10 @@ def serve_refit(
             manifest = dict(engine.manifest()) if rank == engine_src else None
             _bcast_object(manifest, src=engine_src, group=group)
         elif op == "bucket":
-            # a fresh buffer per bucket, adopted by the session: received bytes are served as is
+            # a fresh buffer per bucket, kept by the session: received bytes are served as is
             buffer = torch.empty(message["nbytes"], dtype=torch.uint8, device=session.device)
             dist.broadcast(buffer, src=src, group=group)
-            session.load_bucket(Bucket(message["index"], buffer, message["entries"], True))
+            session.load_bucket(Bucket(message["index"], buffer, message["entries"]))
         elif op == "finish":
             return _finish_two_phase(session, message["check_finite"], engine_src, group)
         elif op == "abort":
@@ -214,7 +253,7 @@ def _finish_two_phase(
     if error:
         session.abort()
         raise error
-    report = session.finish()  # names/shapes re-checked (cheap); finiteness already agreed
+    report = session.commit()  # every rank passed its one check
     result: RefitReport = _bcast_object(
         report if dist.get_rank() == engine_src else None, src=engine_src, group=group
     )

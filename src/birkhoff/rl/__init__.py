@@ -1,1 +1,2 @@
-"""Reinforcement learning on verifiable tasks: tasks and rewards, advantages, losses, the loop."""
+"""Reinforcement learning on verifiable tasks (birkhoff.tasks): advantages, GRPO loss, rollouts,
+the GRPO run."""

@@ -7,18 +7,22 @@ One GRPO step:
 The MTP loss stays on (RLConfig.mtp_loss_weight) so the drafter follows the policy; its
 acceptance rate is logged every step.
 
+The warm-up is the supervised loop of `birkhoff train` (`birkhoff.train.loop.supervised_steps`);
+evaluation generates with the engine (`evaluate_generated`): greedy exact match and the sampled
+reward on a fixed held-out set.
+
 Determinism: every random choice is a pure function of (seed, step): problems come from
-`step_rng`, generation is seeded with `seed * 1_000_003 + step`. With the weights, optimizer
-state and step restored from a checkpoint, a resumed run therefore repeats the uninterrupted one
-exactly (on CPU). Checkpoints are atomic (birkhoff.train.checkpoint); metrics.jsonl is truncated
-to the checkpoint's step on resume.
+`step_rng`, generation is seeded with `sampling_seed(seed, step)` (birkhoff.tasks.problems). With
+the weights, optimizer state and step restored from a checkpoint, a resumed run therefore repeats
+the uninterrupted one exactly (on CPU). Checkpoints are atomic (birkhoff.train.checkpoint);
+metrics.jsonl is truncated to the checkpoint's step on resume.
 """
 
 from __future__ import annotations
 
 import copy
-import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +37,22 @@ from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss, token_logprobs
-from birkhoff.rl.metrics import MetricsLog, memory_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
-from birkhoff.rl.tasks import Task, get_task, sample_problems
+from birkhoff.tasks.problems import (
+    Task,
+    get_task,
+    held_out_rng,
+    sample_problems,
+    sampling_seed,
+    step_rng,
+)
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
-from birkhoff.train.data import batch_for_step, step_rng
+from birkhoff.train.loop import supervised_steps
+from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
+from birkhoff.train.progress import Progress
+from birkhoff.train.recompute import build_model
 from birkhoff.train.step import LossFn, Metrics, train_step
 
 CHECKPOINT_DIR = "checkpoint"
@@ -87,15 +100,15 @@ class GRPORun:
         self.tokenizer = CharTokenizer()
         self.task: Task = get_task(preset.task, **preset.task_options)
         torch.manual_seed(preset.train.seed)
-        self.model = Transformer(preset.model).to(self.device)
+        self.model = build_model(preset.model, preset.train, device=self.device)
         self.optimizer = build_optimizer(self.model, preset.train)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()
         self.log = MetricsLog(self.out / "metrics.jsonl")
-        eval_rng = random.Random(f"{preset.train.seed}:eval")
-        self.eval_problems = sample_problems(self.task, eval_rng, self.rl.num_eval_prompts)
+        held_out = held_out_rng(preset.train.seed)
+        self.eval_problems = sample_problems(self.task, held_out, self.rl.num_eval_prompts)
 
     @property
     def total_steps(self) -> int:
@@ -115,30 +128,29 @@ class GRPORun:
 
     # ------------------------------------------------------------------ phases
 
-    def sft_step(self) -> dict[str, Any]:
+    def warmup_rows(self, stop: int) -> Iterator[dict[str, Any]]:
+        """The supervised warm-up from the current step up to `stop` (the shared loop)."""
         # the warm-up's lr schedule spans the warm-up, not the preset's supervised run length
         cfg = self.preset.train.replace(num_steps=max(self.rl.warmup_steps, 1))
-        batch = batch_for_step(
-            self.task, self.tokenizer, batch_size=cfg.batch_size, seed=cfg.seed, step=self.step
-        )
-        start = time.perf_counter()
-        metrics = train_step(self.model, self.optimizer, batch.to(self.device), cfg, step=self.step)
-        return {"phase": "sft", **metrics, "train_s": time.perf_counter() - start}
+        steps = range(self.step, min(stop, self.rl.warmup_steps))
+        return supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
+                                steps=steps)  # fmt: skip
 
     def grpo_step(self) -> dict[str, Any]:
         rl, seed = self.rl, self.preset.train.seed
+        reset_peak_memory(self.device)
         if rl.loss.kl_weight > 0 and self.reference is None:
             self.reference = self.freeze_reference()
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
-        ro = rollout(
-            self.engine, problems, self.task, self.tokenizer, rl, seed=seed * 1_000_003 + self.step
-        )
+        ro = rollout(self.engine, problems, self.task, self.tokenizer, rl,
+                     seed=sampling_seed(seed, self.step))  # fmt: skip
         adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
         batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
         report = self.refit()
         return {
             "phase": "grpo",
+            "step": self.step,
             "reward": float(ro.rewards_NG.mean()),
             "reward_std": float(ro.rewards_NG.std(correction=0)),
             **{f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)},
@@ -148,6 +160,7 @@ class GRPORun:
             "refit_s": report.seconds,
             "refit_gb_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
             "weight_version": report.version,
+            **memory_metrics(self.device),
         }
 
     def update(self, batch: RLBatch) -> tuple[dict[str, float], float]:
@@ -179,8 +192,8 @@ class GRPORun:
         self.trainer_version = 0
         return report
 
-    def evaluate(self) -> dict[str, float]:
-        """Reward on the fixed held-out problems: greedy, and sampled like the rollouts.
+    def evaluate_generated(self) -> dict[str, float]:
+        """Reward of the engine's completions on the fixed held-out problems: greedy and sampled.
 
         Greedy exact match is what a user sees; the sampled reward (temperature as in the
         rollouts, `group_size` seeded samples per problem) is what GRPO optimises and is far less
@@ -245,45 +258,34 @@ class GRPORun:
         The engine is refit at the end of the warm-up and after every GRPO step, so each eval
         sees the trainer's current weights.
         """
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            disable=not progress,
-            desc=self.preset.name,
-            unit="step",
-            dynamic_ncols=True,
-        )
+        stop = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
         rows: list[dict[str, Any]] = []
-        with bar:
-            while self.step < self.total_steps:
-                rows += self.one_step()
-                bar.update(1)
-                bar.set_postfix(self.log.postfix(), refresh=False)
-                if self.should_checkpoint() or self.step == stop_after:
-                    self.save()
-                if self.step == stop_after:
-                    break
+        with Progress(total=self.total_steps, initial=self.step, desc=self.preset.name,
+                      enabled=progress) as bar:  # fmt: skip
+            for row in self.warmup_rows(stop):
+                rows += self.finish_step(row, bar, stop_after)
+            while self.step < stop:
+                rows += self.finish_step(self.grpo_step(), bar, stop_after)
         return rows
 
-    def one_step(self) -> list[dict[str, Any]]:
-        in_warmup = self.step < self.rl.warmup_steps
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        row = self.sft_step() if in_warmup else self.grpo_step()
-        row.update(step=self.step, **memory_metrics(self.device))
+    def finish_step(
+        self, row: dict[str, Any], bar: Progress, stop_after: int | None
+    ) -> list[dict[str, Any]]:
+        """After a step: refit at the end of the warm-up, evaluate, log, checkpoint."""
         self.step += 1
         rows = [row]
-        if in_warmup and self.step == self.rl.warmup_steps:
-            self.refit()  # serve the warmed-up policy
         grpo_done = self.step - self.rl.warmup_steps
+        if grpo_done == 0:
+            self.refit()  # serve the warmed-up policy
         if grpo_done == 0 or (
             grpo_done > 0 and (grpo_done % self.rl.eval_every == 0 or self.step == self.total_steps)
         ):
-            rows.append({"phase": "eval", "step": self.step, **self.evaluate()})
+            rows.append({"phase": "eval", "step": self.step, **self.evaluate_generated()})
         for r in rows:
             self.log.append(r)
+        bar.update(self.log.postfix())
+        if self.should_checkpoint() or self.step == stop_after:
+            self.save()
         return rows
 
     def should_checkpoint(self) -> bool:

@@ -22,7 +22,8 @@ from torch import Tensor
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Completion
 from birkhoff.rl.config import RLConfig
-from birkhoff.rl.tasks import Problem, Task, prompt_ids
+from birkhoff.tasks.batches import prompt_ids
+from birkhoff.tasks.problems import Problem, Task
 from birkhoff.tokenizer import CharTokenizer
 
 
@@ -31,8 +32,7 @@ class StaleRolloutError(ValueError):
 
 
 class Rollout(NamedTuple):
-    problems: list[Problem]  # B, each prompt repeated G times (grouped)
-    prompts: list[list[int]]
+    prompts: list[list[int]]  # B = N*G, each problem's prompt repeated G times (grouped)
     completions: list[Completion]
     rewards_NG: Tensor
     accepted_at: list[int]  # per draft position: verify steps that accepted it
@@ -112,7 +112,7 @@ def rollout(
     ]
     rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
     seconds = time.perf_counter() - start
-    return Rollout(list(grouped), prompts, completions, rewards_NG, accepted_at, num_steps, seconds)
+    return Rollout(prompts, completions, rewards_NG, accepted_at, num_steps, seconds)
 
 
 def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> RLBatch:

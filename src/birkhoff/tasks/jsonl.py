@@ -9,7 +9,7 @@ The checks collect up to `MAX_ERRORS` problems so one run fixes many lines.
 
 Held-out split: a separate eval file, or a seeded shuffle of the lines with `eval_fraction` of
 them (at least one) held out. Both splits are `JsonlTask`s with the Task interface of
-birkhoff/rl/tasks.py: `sample(rng)` draws uniformly from the split, `reward` is the verifier,
+birkhoff/tasks/problems.py: `sample(rng)` draws uniformly from the split, `reward` is the verifier,
 `max_length()` is the longest prompt + answer in characters; `problems` is the whole split (the
 held-out evaluation can use all of it instead of sampling).
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from birkhoff.rl.tasks import Problem
+from birkhoff.tasks.problems import Problem
 from birkhoff.tasks.verifiers import Verifier, get_verifier
 
 MAX_ERRORS = 20

@@ -28,7 +28,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Protocol
 
-from birkhoff.rl.tasks import Problem
+from birkhoff.tasks.problems import Problem
 
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 

@@ -1,4 +1,5 @@
-"""Training: config, optimizer and schedule, the training step, data, atomic checkpoints."""
+"""Training: config, optimizer and schedule, recompute policy, the step, the supervised loop,
+metrics and progress, atomic checkpoints."""
 
 from birkhoff.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from birkhoff.train.config import TrainConfig

@@ -58,7 +58,6 @@ class LoadedCheckpoint(NamedTuple):
     config: ModelConfig
     step: int
     extra: dict[str, Any]
-    rng_state: dict[str, Any]
 
 
 # ---------------------------------------------------------------------------- file primitives
@@ -228,9 +227,18 @@ def parse_json(file: Path, data: bytes) -> dict[str, Any]:
     return value
 
 
+# Checkpoints written while the recompute policy was part of ModelConfig carry these keys. They say
+# how a run trained (TrainConfig.recompute / .reclaim now), not what the model is, so they are
+# dropped on load and such a checkpoint loads as the same model.
+TRAINING_ONLY_KEYS = ("recompute", "reclaim")
+
+
 def parse_config(file: Path, data: bytes) -> ModelConfig:
+    fields = parse_json(file, data)
+    for key in TRAINING_ONLY_KEYS:
+        fields.pop(key, None)
     try:
-        return ModelConfig.from_dict(parse_json(file, data))
+        return ModelConfig.from_dict(fields)
     except CheckpointError:
         raise
     except (ValueError, TypeError) as err:
@@ -288,4 +296,4 @@ def load_checkpoint(
     rng_state = load_torch(path / RNG_FILE, read_verified(path, manifest, RNG_FILE))
     if restore_rng:
         restore_rng_state(rng_state)
-    return LoadedCheckpoint(model, cfg, int(meta["step"]), dict(meta.get("extra", {})), rng_state)
+    return LoadedCheckpoint(model, cfg, int(meta["step"]), dict(meta.get("extra", {})))

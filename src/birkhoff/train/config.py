@@ -15,11 +15,13 @@ from typing import Any, Literal
 from birkhoff.config import check
 
 AmpDtype = Literal["none", "bf16"]
+RecomputeMode = Literal["none", "full"]
+ReclaimMode = Literal["safe", "always", "never"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    """AdamW + warmup/cosine schedule + clipping + optional bf16 autocast (CUDA only)."""
+    """AdamW + warmup/cosine schedule + clipping + bf16 autocast (CUDA only) + recompute policy."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at num_steps
@@ -33,6 +35,8 @@ class TrainConfig:
     seed: int = 0
     amp_dtype: AmpDtype = "none"
     log_every: int = 10
+    recompute: RecomputeMode = "none"  # "full": every block and MTP depth (apply_recompute)
+    reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -53,6 +57,9 @@ class TrainConfig:
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
         check(isinstance(self.seed, int), "seed", self.seed, "must be an int")
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
+        check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
+        rc = self.reclaim
+        check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -1,70 +1,81 @@
-"""The supervised training loop behind `birkhoff train`: preset in, metrics and checkpoint out.
+"""The supervised loop, shared by `birkhoff train` and the warm-up of `birkhoff run`.
 
 Design choices:
-- The loop is a plain function over (preset, out_dir); the CLI only parses arguments. Batches
-  come from `batch_for_step(seed, step)`, the lr from `lr_at(step)`, so the run is a function of
-  the preset and the seed (deterministic on CPU).
-- `metrics.jsonl` gets one JSON object per logged step (every `log_every` steps, plus the first
-  and the last), flushed as it is written, so a crashed run keeps its history.
-- Held-out greedy exact match is measured before and after training on problems drawn from a
-  different seed stream, via teacher forcing (see `answer_accuracy`): one forward pass, no
-  generation, and equal to greedy decoding's exact match.
+- `supervised_steps` is the one supervised loop: for each step, the batch of (seed, step)
+  (`batch_for_step`), one `train_step` at the lr of that step, and one metrics row. It is a
+  generator, so each caller decides what happens between steps: `run_training` logs every
+  `log_every` steps, the GRPO run logs every step, evaluates, refits and checkpoints. The run is a
+  function of the preset and the seed (deterministic on CPU).
+- Evaluation here is teacher-forced (`teacher_forced_accuracy`): one forward pass over held-out
+  problems, no generation; a sequence counts when the argmax at every answer position is right,
+  which is exactly greedy decoding's exact match. The GRPO run's `evaluate_generated` generates
+  with the engine instead.
 - The final checkpoint goes to `out_dir/checkpoint` (atomic, see checkpoint.py).
-Left out: mid-run checkpoints and resume (the RL loop owns those), evaluation by sampling.
+Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
 """
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from tqdm import tqdm
+from torch import nn
 
-from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset
-from birkhoff.rl.tasks import Task, build_supervised_batch, get_task, sample_problems
+from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
+from birkhoff.tasks.problems import Problem, Task, get_task, held_out_rng, sample_problems
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.checkpoint import save_checkpoint
-from birkhoff.train.data import batch_for_step, step_rng
+from birkhoff.train.config import TrainConfig
+from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
-from birkhoff.train.step import answer_accuracy, train_step
+from birkhoff.train.progress import Progress
+from birkhoff.train.recompute import build_model
+from birkhoff.train.step import answer_accuracy, model_device, train_step
 
-EVAL_SEED_OFFSET = 1_000_003  # eval problems come from a seed stream training never uses
+NUM_EVAL_PROBLEMS = 256
 
 
 class TrainSummary(NamedTuple):
-    history: list[dict[str, float]]  # every step's metrics
-    eval_before: float  # held-out greedy exact match before training
+    history: list[dict[str, Any]]  # every step's metrics row
+    eval_before: float  # held-out teacher-forced exact match before training
     eval_after: float
     checkpoint: Path
 
 
+def supervised_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    tokenizer: CharTokenizer,
+    cfg: TrainConfig,
+    *,
+    steps: range,
+) -> Iterator[dict[str, Any]]:
+    """Run the supervised steps `steps`, yielding each one's metrics row (phase "sft")."""
+    device = model_device(model)
+    for step in steps:
+        reset_peak_memory(device)
+        batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
+                               step=step).to(device)  # fmt: skip
+        start = time.perf_counter()
+        metrics = train_step(model, optimizer, batch, cfg, step=step)
+        row = {"phase": "sft", "step": step, **metrics, "train_s": time.perf_counter() - start}
+        yield row | memory_metrics(device)
+
+
 @torch.no_grad()
-def evaluate(
-    model: Transformer, task: Task, tokenizer: CharTokenizer, *, seed: int, num_problems: int
+def teacher_forced_accuracy(
+    model: nn.Module, problems: Sequence[Problem], tokenizer: CharTokenizer
 ) -> float:
-    """Greedy exact-match rate on `num_problems` held-out problems (teacher-forced argmax)."""
+    """Exact-match rate of the argmax answers given the true prefix (= greedy exact match)."""
     model.eval()
-    problems = sample_problems(task, step_rng(seed + EVAL_SEED_OFFSET, 0), num_problems)
-    batch = build_supervised_batch(problems, tokenizer).to(next(model.parameters()).device)
+    batch = build_supervised_batch(problems, tokenizer).to(model_device(model))
     logits_BTV = model(batch.input_ids).logits
     return float(answer_accuracy(logits_BTV, batch.input_ids, batch.loss_mask)[1])
-
-
-def window_mean(history: list[dict[str, float]], key: str, *, last: bool) -> float:
-    """Mean of `key` over the first (or last) fifth of the run, at most 20 steps."""
-    values = [h[key] for h in history if key in h]
-    k = max(1, min(20, len(values) // 5))
-    window = values[-k:] if last else values[:k]
-    return sum(window) / max(len(window), 1)
-
-
-def progress_postfix(metrics: dict[str, float]) -> dict[str, str]:
-    shown = {"main": "main_loss", "mtp": "mtp_loss", "acc": "seq_acc"}
-    return {label: f"{metrics[key]:.3f}" for label, key in shown.items() if key in metrics}
 
 
 def run_training(
@@ -74,31 +85,36 @@ def run_training(
     cfg = preset.train
     tokenizer, task = CharTokenizer(), get_task(preset.task, **preset.task_options)
     torch.manual_seed(cfg.seed)
-    model = Transformer(preset.model).to(device)
+    model = build_model(preset.model, cfg, device=device)
     optimizer = build_optimizer(model, cfg)
-    eval_before = evaluate(model, task, tokenizer, seed=cfg.seed, num_problems=256)
-    history: list[dict[str, float]] = []
-    start = time.perf_counter()
-    bar = tqdm(range(cfg.num_steps), desc=f"train {preset.name}", disable=not progress)
-    with open(out_dir / "metrics.jsonl", "w") as log:
-        for step in bar:
-            batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
-                                   step=step).to(device)  # fmt: skip
-            metrics = train_step(model, optimizer, batch, cfg, step=step)
-            history.append(metrics)
+    held_out = sample_problems(task, held_out_rng(cfg.seed), NUM_EVAL_PROBLEMS)
+    eval_before = teacher_forced_accuracy(model, held_out, tokenizer)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    log, history, start = MetricsLog(out_dir / "metrics.jsonl"), [], time.perf_counter()
+    rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
+    with Progress(total=cfg.num_steps, desc=f"train {preset.name}", enabled=progress) as bar:
+        for row in rows:
+            history.append(row)
+            step = row["step"]
             if step % cfg.log_every == 0 or step == cfg.num_steps - 1:
-                record: dict[str, Any] = {"step": step, **metrics}
-                record["elapsed_s"] = round(time.perf_counter() - start, 3)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                bar.set_postfix(progress_postfix(metrics))
-    eval_after = evaluate(model, task, tokenizer, seed=cfg.seed, num_problems=256)
+                log.append(row | {"elapsed_s": round(time.perf_counter() - start, 3)})
+            bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
+                        if k in row})  # fmt: skip
+    eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
     extra = {"preset": preset.name, "task": preset.task, "task_options": preset.task_options,
              "seed": cfg.seed, "eval_exact_match": eval_after}  # fmt: skip
     path = save_checkpoint(
         out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=extra
     )
     return TrainSummary(history, eval_before, eval_after, path)
+
+
+def window_mean(history: list[dict[str, Any]], key: str, *, last: bool) -> float:
+    """Mean of `key` over the first (or last) fifth of the run, at most 20 steps."""
+    values = [h[key] for h in history if key in h]
+    k = max(1, min(20, len(values) // 5))
+    window = values[-k:] if last else values[:k]
+    return sum(window) / max(len(window), 1)
 
 
 def summary_lines(summary: TrainSummary) -> list[str]:

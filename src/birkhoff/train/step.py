@@ -5,9 +5,9 @@ Legend: B batch, T tokens, V vocab.
 Design choices:
 - `forward_context(model, cfg)` is the single place that decides what wraps the forward:
   bf16 autocast (CUDA only; asking for it on another device is a ValueError, not a silent fp32
-  run) and, when `model.cfg.recompute == "full"`, `birkhoff.recompute.track_saved_storages()`,
-  which feeds the registry that makes safe reclaim safe. The import is lazy so this module has no
-  hard dependency on the recompute package.
+  run) and, when `cfg.recompute == "full"`, `birkhoff.recompute.track_saved_storages()`, which
+  feeds the registry that makes safe reclaim safe. The model itself is wrapped once, when it is
+  built (`birkhoff.train.recompute.apply_recompute`).
 - The loss is pluggable: `loss_fn(model, batch) -> (loss, metrics)`. The default is the
   supervised next-token + MTP loss on a `SupervisedBatch`; the RL loop passes its own (GRPO).
   Metrics may be tensors; they are converted to floats once, after backward, so a CUDA step
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.model.mtp import shift_targets
+from birkhoff.recompute import track_saved_storages
 from birkhoff.train.config import TrainConfig
 from birkhoff.train.optim import lr_at, set_lr
 
@@ -43,17 +44,14 @@ def model_device(model: nn.Module) -> torch.device:
 
 @contextmanager
 def forward_context(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
-    """Autocast (bf16 on CUDA) and recompute tracking (recompute == "full") for a forward."""
+    """Autocast (bf16 on CUDA) and recompute tracking (cfg.recompute == "full") for a forward."""
     with ExitStack() as stack:
         if cfg.amp_dtype == "bf16":
             device = model_device(model)
             if device.type != "cuda":
                 raise ValueError(f"amp_dtype='bf16' needs a CUDA model; the model is on {device}")
             stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
-        model_cfg = getattr(model, "cfg", None)
-        if getattr(model_cfg, "recompute", "none") == "full":
-            from birkhoff.recompute import track_saved_storages
-
+        if cfg.recompute == "full":
             stack.enter_context(track_saved_storages())
         yield
 

@@ -1,18 +1,17 @@
 import random
 
 import pytest
-import torch
 
-from birkhoff.model.mtp import shift_targets
-from birkhoff.rl.tasks import (
+from birkhoff.tasks.problems import (
     AdditionTask,
     Problem,
     SortingTask,
-    build_supervised_batch,
     get_task,
+    held_out_rng,
     sample_problems,
+    sampling_seed,
+    step_rng,
 )
-from birkhoff.tokenizer import CharTokenizer
 
 
 @pytest.mark.parametrize("task", [AdditionTask(3), SortingTask(5)])
@@ -62,30 +61,11 @@ def test_registry():
         get_task("addition", num_digits=0)
 
 
-def test_supervised_batch_hand_made():
-    tok = CharTokenizer()
-    batch = build_supervised_batch([Problem("1+2=", "3"), Problem("10+5=", "15")], tok)
-    e = tok.encode
-    row0 = [tok.bos_id, *e("1+2="), *e("3"), tok.eos_id, tok.pad_id, tok.pad_id]
-    row1 = [tok.bos_id, *e("10+5="), *e("15"), tok.eos_id]
-    assert batch.input_ids.tolist() == [row0, row1]
-    assert batch.loss_mask.tolist() == [
-        [False] * 5 + [True, True, False, False],
-        [False] * 6 + [True, True, True],
-    ]
-    # In the model's convention, position i's main-head target is token i+1 with mask[i+1]:
-    # the prompt's last token ('=') must predict the first answer token, EOS is the last target.
-    targets, mask = shift_targets(batch.input_ids, batch.loss_mask, 1)
-    assert targets[0][mask[0]].tolist() == [*e("3"), tok.eos_id]
-    assert targets[1][mask[1]].tolist() == [*e("15"), tok.eos_id]
-    assert mask[0].nonzero().flatten().tolist() == [4, 5]  # '=' at 4 predicts '3'
-
-
-def test_supervised_batch_fixed_length_and_errors():
-    tok = CharTokenizer()
-    batch = build_supervised_batch([Problem("1+2=", "3")], tok, seq_len=12)
-    assert batch.input_ids.shape == (1, 12) and batch.input_ids.dtype == torch.int64
-    with pytest.raises(ValueError, match="seq_len=4"):
-        build_supervised_batch([Problem("1+2=", "3")], tok, seq_len=4)
-    with pytest.raises(ValueError, match="problems is empty"):
-        build_supervised_batch([], tok)
+def test_seed_streams_are_functions_of_seed_and_step_and_disjoint():
+    task = AdditionTask(3)
+    assert sample_problems(task, step_rng(1, 5), 8) == sample_problems(task, step_rng(1, 5), 8)
+    streams = [step_rng(1, 5), step_rng(1, 6), step_rng(2, 5), held_out_rng(1), held_out_rng(2)]
+    drawn = [tuple(sample_problems(task, rng, 8)) for rng in streams]
+    assert len(set(drawn)) == len(drawn)
+    seeds = {sampling_seed(seed, step) for seed in range(3) for step in range(1000)}
+    assert len(seeds) == 3000

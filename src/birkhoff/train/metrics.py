@@ -1,8 +1,9 @@
-"""metrics.jsonl (append, truncate on resume), memory figures, and the run's PNG plots.
+"""The one metrics log of every job: metrics.jsonl, memory figures, the run's PNG plots.
 
-Each line of metrics.jsonl is one JSON object with `step` and `phase` ("sft" | "grpo" |
-"eval"). Timing (`*_s`, `*_gb_s`) and memory (`mem_*`) keys vary between runs; every other
-value is deterministic on CPU for a fixed seed, which the resume test relies on.
+Each line of metrics.jsonl is one JSON object with `step` and `phase` ("sft" | "grpo" | "eval"),
+written by `birkhoff train` and `birkhoff run` alike, flushed and fsynced as written, so a crashed
+run keeps its history. Timing (`*_s`, `*_gb_s`) and memory (`mem_*`) keys vary between runs;
+every other value is deterministic on CPU for a fixed seed, which the resume test relies on.
 """
 
 from __future__ import annotations
@@ -17,25 +18,26 @@ import torch
 
 from birkhoff.train.checkpoint import atomic_write_bytes
 
-NONDETERMINISTIC_SUFFIXES = ("_s", "_gb_s")
-NONDETERMINISTIC_PREFIXES = ("mem_",)
 
-
-def is_deterministic_key(key: str) -> bool:
-    return not key.endswith(NONDETERMINISTIC_SUFFIXES) and not key.startswith(
-        NONDETERMINISTIC_PREFIXES
-    )
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a step's peak memory figure afresh (CUDA; the CPU figure is the process's peak)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Peak GPU bytes of the step (CUDA) or the process's peak RSS (CPU), in MiB."""
+    """Peak GPU bytes since `reset_peak_memory` (CUDA) or the process's peak RSS (CPU), in MiB."""
     if device.type == "cuda":
         return {"mem_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20}
     return {"mem_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 class MetricsLog:
-    """Append-only JSON lines, flushed per line; `truncate_after` rewrites atomically."""
+    """Append-only JSON lines, flushed per line; `truncate_after` rewrites atomically.
+
+    `last` holds the floats of the latest row plus those of the latest eval, for the progress
+    display.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -64,7 +66,8 @@ class MetricsLog:
         atomic_write_bytes(self.path, text.encode())
 
     def postfix(self) -> dict[str, str]:
-        keys = ("main_loss", "reward", "eval_reward", "mtp_loss", "accept_1")
+        """The figures the progress display shows, three decimals each."""
+        keys = ("main_loss", "mtp_loss", "seq_acc", "reward", "eval_reward", "accept_1")
         return {k: f"{self.last[k]:.3f}" for k in keys if k in self.last}
 
 

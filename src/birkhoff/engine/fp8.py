@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.refit import fp8_kernel
+from birkhoff.engine import fp8_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128  # one fp32 scale per FP8_BLOCK x FP8_BLOCK block of a weight
@@ -102,17 +102,17 @@ def quantize_fp8_blockwise_eager(w: Tensor, block: int = 128) -> tuple[Tensor, T
     rows, cols = w.shape
     w_blocks = _as_blocks(w.float(), block)  # [R, b, C, b]
     # max(amax, -amin): two reads of w, no |w| temporary
-    amax_RC = torch.maximum(w_blocks.amax(dim=(1, 3)), -w_blocks.amin(dim=(1, 3)))
+    amax_blocks = torch.maximum(w_blocks.amax(dim=(1, 3)), -w_blocks.amin(dim=(1, 3)))
     # multiplies, not divisions: CUDA turns division by a Python scalar into a multiply by its
     # reciprocal, so only this form gives the same scales (and codes) on CPU and CUDA
-    scale_inv_RC = amax_RC.clamp_min(_AMAX_FLOOR) * (1.0 / FP8_MAX)
+    scale_inv_blocks = amax_blocks.clamp_min(_AMAX_FLOOR) * (1.0 / FP8_MAX)
     # |w| / scale_inv <= 448 up to a few fp32 ulps, and the float -> e4m3fn cast rounds anything
     # below 480 to at most 448 (only >= 480 would become NaN): no clamp pass needed
-    q_blocks = (w_blocks * scale_inv_RC.reciprocal()[:, None, :, None]).to(FP8_DTYPE)
+    q_blocks = (w_blocks * scale_inv_blocks.reciprocal()[:, None, :, None]).to(FP8_DTYPE)
     q = q_blocks.view(q_blocks.shape[0] * block, -1)[:rows, :cols]
     if not q.is_contiguous():
         q = q.contiguous()
-    return q, scale_inv_RC
+    return q, scale_inv_blocks
 
 
 def quantize_parts(

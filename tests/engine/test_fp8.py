@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from birkhoff.refit.fp8 import (
+from birkhoff.engine.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_fp8_blockwise,

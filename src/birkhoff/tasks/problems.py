@@ -1,6 +1,4 @@
-"""Verifiable tasks generated in code, their rewards, and supervised batches.
-
-Legend: B batch, T tokens.
+"""Verifiable tasks generated in code, their rewards, and the seed streams a run draws from.
 
 A task samples `Problem(prompt, answer)` pairs from a seeded `random.Random` and scores a
 completion with a verifiable reward:
@@ -9,29 +7,22 @@ where `completion` is the text the model produced before its EOS (`CharTokenizer
 at the first EOS). Exact match only: no partial credit, no whitespace stripping, so the reward
 cannot be gamed by padding an answer.
 
-Sequence layout (shared by supervised warm-up, generation and RL):
-    [bos] prompt answer [eos] [pad ...]
-`build_supervised_batch` right-pads to [B,T] and sets `loss_mask` on the answer tokens and the
-EOS only. The mask is aligned with the *target positions* of `labels` = input ids, the convention
-of birkhoff/model/mtp.py: mask[j] says whether token j is something to learn, and the model shifts
-labels and mask together (position i predicts token i+1 on the main head, i+k+1 at MTP depth k).
-
 Design choices: operands of `AdditionTask` have 1..num_digits digits (uniform value in
 [0, 10^num_digits)), the answer is written most-significant digit first, as people write it.
 `SortingTask` sorts characters by code point (digits before letters). Left out: chain-of-thought
 formats, reversed answers, tasks needing text outside the tokenizer's vocabulary.
+
+Seeds: every random choice of a run is a function of (seed, step), defined here once:
+`step_rng(seed, step)` draws a step's problems, `held_out_rng(seed)` the evaluation problems (a
+string stream no integer step can reach), and `sampling_seed(seed, step)` seeds a step's
+generation.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
-
-import torch
-from torch import Tensor
-
-from birkhoff.tokenizer import CharTokenizer
 
 
 class Problem(NamedTuple):
@@ -116,40 +107,19 @@ def sample_problems(task: Task, rng: random.Random, num_problems: int) -> list[P
     return [task.sample(rng) for _ in range(num_problems)]
 
 
-def prompt_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
-    """[bos] + prompt: what a generator is conditioned on."""
-    return [tokenizer.bos_id, *tokenizer.encode(problem.prompt)]
+def step_rng(seed: int, step: int) -> random.Random:
+    """The RNG of one step's problems; string seeds hash deterministically (sha512)."""
+    return random.Random(f"{seed}:{step}")
 
 
-class SupervisedBatch(NamedTuple):
-    input_ids: Tensor  # [B,T] int64, right-padded with pad_id; also the labels
-    loss_mask: Tensor  # [B,T] bool, True on answer tokens and EOS (target positions)
-
-    def to(self, device: torch.device | str) -> SupervisedBatch:
-        return SupervisedBatch(self.input_ids.to(device), self.loss_mask.to(device))
+def held_out_rng(seed: int) -> random.Random:
+    """The RNG of a run's evaluation problems: a stream no training step draws from."""
+    return random.Random(f"{seed}:eval")
 
 
-def build_supervised_batch(
-    problems: Sequence[Problem], tokenizer: CharTokenizer, *, seq_len: int | None = None
-) -> SupervisedBatch:
-    """Token ids of [bos] prompt answer [eos], right-padded to [B,T], and the answer loss mask.
+SEEDS_PER_RUN = 1_000_003  # a prime above any step count: (seed, step) pairs never share a seed
 
-    `seq_len` fixes T (ValueError if a sequence is longer); None pads to the longest sequence.
-    """
-    if not problems:
-        raise ValueError("problems is empty: need at least one problem for a batch")
-    rows, masks = [], []
-    for problem in problems:
-        prompt = prompt_ids(problem, tokenizer)
-        answer = [*tokenizer.encode(problem.answer), tokenizer.eos_id]
-        rows.append(prompt + answer)
-        masks.append([False] * len(prompt) + [True] * len(answer))
-    T = max(len(r) for r in rows) if seq_len is None else seq_len
-    if max(len(r) for r in rows) > T:
-        raise ValueError(f"seq_len={seq_len} is too short for a sequence of {max(map(len, rows))}")
-    ids_BT = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.int64)
-    mask_BT = torch.zeros((len(rows), T), dtype=torch.bool)
-    for b, (row, mask) in enumerate(zip(rows, masks, strict=True)):
-        ids_BT[b, : len(row)] = torch.tensor(row)
-        mask_BT[b, : len(mask)] = torch.tensor(mask)
-    return SupervisedBatch(ids_BT, mask_BT)
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The generation seed of `step` in the run seeded `seed`."""
+    return seed * SEEDS_PER_RUN + step

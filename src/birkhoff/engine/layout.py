@@ -1,0 +1,153 @@
+"""The engine's inference layout: served names, fusions, shapes, and the manifest.
+
+Legend: D model dim, H query heads, G kv heads, K head dim, F MLP hidden, V vocab, S streams,
+C = S*D, P = S*S+2S.
+
+The engine serves fused projections: `attn.wqkv.weight` = cat(wq, wk, wv) and
+`mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0). Every other tensor keeps
+its trainer name. With tied embeddings the engine serves `embed.weight` once and uses it as the
+lm_head. The MTP drafter (`mtp.{k}.*`) is laid out exactly like the main model.
+
+`engine_parts(cfg)` is the whole layout: engine name -> its trainer parts (name, shape) in
+concatenation order, computed from the ModelConfig alone (tests/engine/test_layout.py checks it
+against the trainer's parameters). The manifest adds each served tensor's dtype: with
+`quantize="fp8"` exactly the matmul weights are float8_e4m3fn plus `name + "_scale_inv"` (fp32,
+one scale per 128x128 block, engine/fp8.py); norms, embeddings (also when tied to the lm_head)
+and mHC coefficients stay in the engine dtype.
+
+`trainer_tensors` looks a model's Parameters up by name, every time it is called, so a caller
+always reads the current ones (also after `p.data = t` or a replaced module).
+Left out: per-channel scales, int8/int4, sharding across devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIX, scale_shape
+
+Quantize = Literal["fp8"] | None
+Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (trainer name, shape) in concatenation order
+
+# engine tensors that are matmul weights (candidates for fp8); never norms, embeddings, mHC
+MATMUL_SUFFIXES = (
+    "attn.wqkv.weight",
+    "attn.wo.weight",
+    "mlp.w_gate_up.weight",
+    "mlp.w_down.weight",
+    "proj.weight",
+    "lm_head.weight",
+)
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def is_matmul_weight(engine_name: str) -> bool:
+    return engine_name.endswith(MATMUL_SUFFIXES)
+
+
+def _one(name: str, *shape: int) -> tuple[str, Parts]:
+    return name, ((name, shape),)
+
+
+def _hyper(prefix: str, cfg: ModelConfig, *, contraction: bool) -> list[tuple[str, Parts]]:
+    """An mHC connection's (or output contraction's) coefficients; none for S = 1."""
+    S, C = cfg.num_streams, cfg.num_streams * cfg.dim
+    if S == 1:
+        return []
+    P, num_alpha = (S, 1) if contraction else (S * S + 2 * S, 3)
+    return [_one(prefix + "phi", P, C), _one(prefix + "alpha", num_alpha), _one(prefix + "bias", P)]
+
+
+def _block(prefix: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
+    D, H, G, K, F = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim
+    attn, mlp = prefix + "attn.", prefix + "mlp."
+    qkv = ((attn + "wq.weight", (H * K, D)), (attn + "wk.weight", (G * K, D)),
+           (attn + "wv.weight", (G * K, D)))  # fmt: skip
+    gate_up = ((mlp + "w_gate.weight", (F, D)), (mlp + "w_up.weight", (F, D)))
+    return [
+        _one(prefix + "attn_norm.weight", D),
+        (attn + "wqkv.weight", qkv),
+        _one(attn + "wo.weight", D, H * K),
+        *_hyper(prefix + "hc_attn.", cfg, contraction=False),
+        _one(prefix + "mlp_norm.weight", D),
+        (mlp + "w_gate_up.weight", gate_up),
+        _one(mlp + "w_down.weight", D, F),
+        *_hyper(prefix + "hc_mlp.", cfg, contraction=False),
+    ]
+
+
+@functools.cache
+def engine_parts(cfg: ModelConfig) -> dict[str, Parts]:
+    """Engine name -> its trainer parts (name, shape); the engine tensor is cat(parts, dim=0)."""
+    D, V = cfg.dim, cfg.vocab_size
+    out = [_one("embed.weight", V, D)]
+    for i in range(cfg.num_layers):
+        out += _block(f"layers.{i}.", cfg)
+    out += [*_hyper("contraction.", cfg, contraction=True), _one("norm.weight", D)]
+    if not cfg.tie_embeddings:
+        out.append(_one("lm_head.weight", V, D))
+    for k in range(cfg.mtp_depth):
+        p = f"mtp.{k}."
+        out += [_one(p + "hidden_norm.weight", D), _one(p + "embed_norm.weight", D),
+                _one(p + "proj.weight", D, 2 * D), *_block(p + "block.", cfg),
+                *_hyper(p + "contraction.", cfg, contraction=True),
+                _one(p + "norm.weight", D)]  # fmt: skip
+    return dict(out)
+
+
+def engine_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the engine serves (before quantization)."""
+    return {
+        name: (sum(shape[0] for _, shape in parts), *parts[0][1][1:])
+        for name, parts in engine_parts(cfg).items()
+    }
+
+
+def build_manifest(
+    cfg: ModelConfig, *, dtype: torch.dtype, quantize: Quantize
+) -> dict[str, TensorSpec]:
+    """Name -> TensorSpec of every tensor the engine serves (main model and MTP drafter)."""
+    manifest: dict[str, TensorSpec] = {}
+    for name, shape in engine_shapes(cfg).items():
+        if quantize == "fp8" and is_matmul_weight(name):
+            manifest[name] = TensorSpec(shape, FP8_DTYPE)
+            manifest[name + SCALE_SUFFIX] = TensorSpec(scale_shape(shape, FP8_BLOCK), torch.float32)
+        else:
+            manifest[name] = TensorSpec(shape, dtype)
+    return manifest
+
+
+class SourceError(ValueError):
+    """A model lacks trainer tensors the engine serves, or holds them with other shapes."""
+
+    def __init__(self, missing: list[str], mismatched: dict[str, str]) -> None:
+        self.missing, self.mismatched = missing, mismatched
+        super().__init__(f"trainer tensors missing: {missing}; mis-shaped: {mismatched}")
+
+
+def trainer_tensors(
+    model: torch.nn.Module, names: Sequence[str], shapes: Sequence[tuple[int, ...]]
+) -> list[Tensor]:
+    """The model's current Parameters `names`, looked up by name on every call (none can be
+    stale); raises SourceError naming every one the model lacks or holds with another shape."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    found = [params.get(name) for name in names]
+    if [None if p is None else p.shape for p in found] == list(shapes):
+        return found  # type: ignore[return-value]
+    missing = [n for n, p in zip(names, found, strict=True) if p is None]
+    mismatched = {
+        n: f"shape {list(p.shape)}, expected {list(shape)}"
+        for n, p, shape in zip(names, found, shapes, strict=True)
+        if p is not None and p.shape != shape
+    }
+    raise SourceError(missing, mismatched)

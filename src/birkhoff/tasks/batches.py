@@ -1,0 +1,74 @@
+"""Prompts and supervised batches of task problems: the sequence layout every phase shares.
+
+Legend: B batch, T tokens.
+
+Sequence layout (shared by supervised training, generation and RL):
+    [bos] prompt answer [eos] [pad ...]
+`build_supervised_batch` right-pads to [B,T] and sets `loss_mask` on the answer tokens and the
+EOS only. The mask is aligned with the *target positions* of `labels` = input ids, the convention
+of birkhoff/model/mtp.py: mask[j] says whether token j is something to learn, and the model shifts
+labels and mask together (position i predicts token i+1 on the main head, i+k+1 at MTP depth k).
+
+Design choice: the batch of step n is built from `step_rng(seed, n)`, a function of (seed, step)
+only. A resumed run therefore sees exactly the batches an uninterrupted run would, without saving
+any data-loader state, and two runs with the same seed see the same data. Problems are generated,
+never stored: the task space is large enough that a small model sees few repeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from birkhoff.tasks.problems import Problem, Task, sample_problems, step_rng
+from birkhoff.tokenizer import CharTokenizer
+
+
+def prompt_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
+    """[bos] + prompt: what a generator is conditioned on."""
+    return [tokenizer.bos_id, *tokenizer.encode(problem.prompt)]
+
+
+class SupervisedBatch(NamedTuple):
+    input_ids: Tensor  # [B,T] int64, right-padded with pad_id; also the labels
+    loss_mask: Tensor  # [B,T] bool, True on answer tokens and EOS (target positions)
+
+    def to(self, device: torch.device | str) -> SupervisedBatch:
+        return SupervisedBatch(self.input_ids.to(device), self.loss_mask.to(device))
+
+
+def build_supervised_batch(
+    problems: Sequence[Problem], tokenizer: CharTokenizer
+) -> SupervisedBatch:
+    """Token ids of [bos] prompt answer [eos], right-padded to the longest, and the answer mask."""
+    if not problems:
+        raise ValueError("problems is empty: need at least one problem for a batch")
+    rows, masks = [], []
+    for problem in problems:
+        prompt = prompt_ids(problem, tokenizer)
+        answer = [*tokenizer.encode(problem.answer), tokenizer.eos_id]
+        rows.append(prompt + answer)
+        masks.append([False] * len(prompt) + [True] * len(answer))
+    T = max(len(r) for r in rows)
+    ids_BT = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.int64)
+    mask_BT = torch.zeros((len(rows), T), dtype=torch.bool)
+    for b, (row, mask) in enumerate(zip(rows, masks, strict=True)):
+        ids_BT[b, : len(row)] = torch.tensor(row)
+        mask_BT[b, : len(mask)] = torch.tensor(mask)
+    return SupervisedBatch(ids_BT, mask_BT)
+
+
+def batch_for_step(
+    task: Task,
+    tokenizer: CharTokenizer,
+    *,
+    batch_size: int,
+    seed: int,
+    step: int,
+) -> SupervisedBatch:
+    """The supervised batch of `step`: [B,T] ids and answer mask (see build_supervised_batch)."""
+    problems = sample_problems(task, step_rng(seed, step), batch_size)
+    return build_supervised_batch(problems, tokenizer)

@@ -1,0 +1,76 @@
+"""Activation recompute applied to a plain model from outside, as torchtitan applies it.
+
+`apply_recompute(model, reclaim=...)` makes every block and every MTP depth (its merge and block
+as one unit) run under `birkhoff.recompute.checkpoint`: only the unit's inputs are kept for
+backward, the unit reruns there, and with `reclaim="safe"` input storage is freed as soon as no
+pending node reads it. The forward must then run inside `track_saved_storages()`; `train_step`
+enters it when `TrainConfig.recompute == "full"`.
+
+Design choices:
+- The wrapper replaces the unit's `forward` on the instance with a bound method that checkpoints
+  the class's own `forward`. Nothing is re-parented and the class stays the same, so every
+  parameter name and state_dict key stays what the model defines (checkpoints and refit look
+  tensors up by name), and `copy.deepcopy` rebinds the method to the copy (a frozen reference
+  copy runs its own weights).
+- Module hooks of the unit run outside the checkpoint, once; its submodules' hooks run in forward
+  and again in the rerun.
+- `apply_checkpoint` takes any checkpoint function with the signature
+  `checkpoint_fn(fn, *args, name=...)`; benchmarks use it to put `torch.utils.checkpoint` on the
+  same units.
+Left out: selective (per-op) recompute, recomputing only every n-th block.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from birkhoff.config import ModelConfig
+from birkhoff.model.transformer import Transformer
+from birkhoff.recompute import RECLAIM_MODES, checkpoint
+from birkhoff.train.config import ReclaimMode, TrainConfig
+
+CheckpointFn = Callable[..., Any]  # checkpoint_fn(fn, *args, name=...) -> what fn returns
+
+
+def recompute_units(model: Transformer) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit recompute wraps: blocks, then MTP depths (state_dict names)."""
+    blocks = [(f"layers.{i}", block) for i, block in enumerate(model.blocks)]
+    return blocks + [(f"mtp.{k}", depth) for k, depth in enumerate(model.mtp_depths)]
+
+
+def _checkpointed_forward(
+    module: nn.Module, *args: Any, checkpoint_fn: CheckpointFn, name: str
+) -> Any:
+    forward = functools.partial(type(module).forward, module)  # the class's own forward
+    return checkpoint_fn(forward, *args, name=name)
+
+
+def apply_checkpoint(model: Transformer, checkpoint_fn: CheckpointFn) -> Transformer:
+    """Run every recompute unit of `model` through `checkpoint_fn`; returns `model`."""
+    for name, unit in recompute_units(model):
+        if "forward" in vars(unit):
+            raise ValueError(f"{name}: recompute is already applied to this model")
+        run = functools.partial(_checkpointed_forward, checkpoint_fn=checkpoint_fn, name=name)
+        unit.forward = types.MethodType(run, unit)  # type: ignore[method-assign]
+    return model
+
+
+def apply_recompute(model: Transformer, *, reclaim: ReclaimMode = "safe") -> Transformer:
+    """Every unit under `birkhoff.recompute.checkpoint(..., reclaim=reclaim)`; returns `model`."""
+    if reclaim not in RECLAIM_MODES:
+        raise ValueError(f"reclaim={reclaim!r} is invalid: expected one of {RECLAIM_MODES}")
+    return apply_checkpoint(model, functools.partial(checkpoint, reclaim=reclaim))
+
+
+def build_model(model_cfg: ModelConfig, cfg: TrainConfig, *, device: torch.device) -> Transformer:
+    """A freshly initialised model on `device`, recompute applied as `cfg` says."""
+    model = Transformer(model_cfg).to(device)
+    if cfg.recompute == "full":
+        apply_recompute(model, reclaim=cfg.reclaim)
+    return model

@@ -1,0 +1,40 @@
+"""The engine layout computed from the ModelConfig alone equals the one the trainer implies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import tiny_config
+
+from birkhoff.engine.layout import engine_parts, engine_shapes
+from birkhoff.model import Transformer
+
+FUSED = {
+    "attn.wqkv.weight": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
+    "mlp.w_gate_up.weight": ("mlp.w_gate.weight", "mlp.w_up.weight"),
+}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": True}, {"num_streams": 1, "mtp_depth": 0},
+     {"mtp_depth": 3, "num_kv_heads": 1}, {"num_kv_heads": 4, "mlp_hidden": 40}],
+)  # fmt: skip
+def test_engine_parts_cover_every_trainer_parameter_once(overrides: dict[str, Any]) -> None:
+    cfg = tiny_config(**overrides)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    trainer = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a tied lm_head once
+    table = engine_parts(cfg)
+    parts = [part for ps in table.values() for part in ps]
+    assert sorted(name for name, _ in parts) == sorted(trainer)
+    assert all(trainer[name] == shape for name, shape in parts)
+    shapes = engine_shapes(cfg)
+    for name, ps in table.items():
+        suffix = next((s for s in FUSED if name.endswith(s)), None)
+        prefix = name.removesuffix(suffix or "")
+        expected = [prefix + p for p in FUSED[suffix]] if suffix else [name]
+        assert [part for part, _ in ps] == expected
+        assert shapes[name] == (sum(s[0] for _, s in ps), *ps[0][1][1:])
