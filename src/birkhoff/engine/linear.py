@@ -14,10 +14,11 @@ from torch import Tensor
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
-def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
-    """x @ W^T with W = weights[name] (dequantized if it has a block scale)."""
+def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None) -> Tensor:
+    """x @ W^T (+ b) with W = weights[name] (dequantized if it has a block scale) and
+    b = weights[bias] when a bias name is given (biases are never quantized)."""
     w = weights[name]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is not None:
         w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype)
-    return F.linear(x, w)
+    return F.linear(x, w, None if bias is None else weights[bias])
