@@ -1,9 +1,11 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
-Subcommands: `run`, `train`, `generate`.
-- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop;
+Subcommands: `run`, `train`, `generate`, `import-hf`.
+- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop (on a preset's
+  task or a JSONL file, from a fresh model or a checkpoint);
 - `train`: supervised training only;
-- `generate`: complete prompts with a checkpoint.
+- `generate`: complete prompts with a checkpoint (its tokenizer.json when it has one);
+- `import-hf`: a HuggingFace Llama-family checkpoint -> a birkhoff checkpoint (docs/interop.md).
 Benchmarks are scripts in benchmarks/, not subcommands.
 
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
+    from birkhoff.tokenizer import Tokenizer
 
 EXIT_USAGE = 2
 
@@ -126,17 +129,18 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from birkhoff.engine import Engine, SamplingParams
-    from birkhoff.tokenizer import CharTokenizer
+    from birkhoff.interop.tokenizer import checkpoint_tokenizer
+    from birkhoff.tasks.batches import text_prompt_ids
     from birkhoff.train.checkpoint import load_checkpoint
 
     device = resolve_device(args.device)
-    tok = CharTokenizer()
     try:
+        tok = checkpoint_tokenizer(args.checkpoint)
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                stop_token_ids=(tok.eos_id,),
+                                stop_token_ids=tok.stop_ids,
                                 num_speculative_tokens=args.speculative)  # fmt: skip
-        prompts = [[tok.bos_id, *tok.encode(text)] for text in args.prompt]
+        prompts = [text_prompt_ids(text, tok) for text in args.prompt]
         model = load_checkpoint(args.checkpoint).model.eval()
         engine = Engine.from_model(model, device=device, max_batch_size=len(prompts),
                                    max_speculative_tokens=max(args.speculative, 1))  # fmt: skip
@@ -165,6 +169,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
+    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
+    parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
+    parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
+    parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
     parser.add_argument(
         "--stop-after",
         type=int,
@@ -181,7 +190,8 @@ def run_preset(args: argparse.Namespace) -> Preset:
     preset = get_preset(args.preset)
     if preset.rl is None:
         raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps}
+    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps,
+                    "max_new_tokens": args.max_new_tokens}  # fmt: skip
     rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
     train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
     if args.threads is not None and args.threads < 1:
@@ -191,11 +201,61 @@ def run_preset(args: argparse.Namespace) -> Preset:
     return preset.replace(rl=rl, train=train)
 
 
+def run_inputs(args: argparse.Namespace, preset: Preset) -> tuple[Preset, dict[str, Any]]:
+    """The preset and GRPORun's keyword arguments for --init / --data; every file is read and
+    checked here, before any training (ValueError naming the flag, file and line)."""
+    if args.data is None and (args.verifier is not None or args.eval_data is not None):
+        raise ValueError("--verifier and --eval-data need --data FILE.jsonl")
+    kwargs: dict[str, Any] = {}
+    if args.init is not None:
+        preset, kwargs = init_inputs(args.init, preset)
+    if args.data is not None:
+        preset, data = data_inputs(args, preset, kwargs.get("tokenizer"))
+        kwargs.update(data)
+    return preset, kwargs
+
+
+def init_inputs(init: Path, preset: Preset) -> tuple[Preset, dict[str, Any]]:
+    """--init CKPT: the checkpoint's model config and tokenizer (weights load in GRPORun)."""
+    from birkhoff.interop.tokenizer import checkpoint_tokenizer
+    from birkhoff.train.checkpoint import CONFIG_FILE, parse_config, read_manifest, read_verified
+
+    config = read_verified(init, read_manifest(init), CONFIG_FILE)
+    cfg = parse_config(init / CONFIG_FILE, config)
+    tokenizer = checkpoint_tokenizer(init)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--init {init}: tokenizer has {tokenizer.vocab_size} ids, "
+                         f"the model's vocab_size is {cfg.vocab_size}")  # fmt: skip
+    assert preset.rl is not None
+    drafts = preset.rl.num_speculative_tokens if cfg.mtp_depth else 0  # no MTP, no drafts
+    preset = preset.replace(model=cfg, rl=preset.rl.replace(num_speculative_tokens=drafts))
+    return preset, {"init": init, "tokenizer": tokenizer}
+
+
+def data_inputs(
+    args: argparse.Namespace, preset: Preset, tokenizer: Tokenizer | None
+) -> tuple[Preset, dict[str, Any]]:
+    """--data FILE.jsonl: train and held-out splits, every line checked against the tokenizer."""
+    from birkhoff.tasks.jsonl import load_jsonl_tasks
+    from birkhoff.tokenizer import CharTokenizer
+
+    tok = tokenizer or CharTokenizer()
+    splits = load_jsonl_tasks(args.data, verifier=args.verifier or "exact",
+                              eval_path=args.eval_data, seed=preset.train.seed, tokenizer=tok,
+                              max_seq_len=preset.model.max_seq_len)  # fmt: skip
+    assert preset.rl is not None
+    if args.max_new_tokens is None:  # room for the longest answer and its EOS
+        longest = max(len(tok.encode(p.answer)) for p in splits.train.problems)
+        rl = preset.rl.replace(max_new_tokens=max(preset.rl.max_new_tokens, longest + 1))
+        preset = preset.replace(rl=rl)
+    return preset, {"task": splits.train, "eval_problems": splits.eval.problems}
+
+
 def run_run(args: argparse.Namespace) -> int:
     from birkhoff.train.checkpoint import CheckpointError
 
     try:
-        preset = run_preset(args)
+        preset, inputs = run_inputs(args, run_preset(args))
     except ValueError as err:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
@@ -215,7 +275,7 @@ def run_run(args: argparse.Namespace) -> int:
     threads = args.threads or preset.num_threads
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
-    run = GRPORun(preset, out, device=device)
+    run = GRPORun(preset, out, device=device, **inputs)
     if args.resume:
         try:
             run.resume()
@@ -253,6 +313,32 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- import-hf
+
+
+def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", type=Path, help="HuggingFace checkpoint directory")
+    parser.add_argument("--out", type=Path, required=True, help="birkhoff checkpoint directory")
+    parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
+    parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def run_import_hf(args: argparse.Namespace) -> int:
+    from birkhoff.interop.hf import import_hf
+
+    if args.out.exists() and not args.overwrite:
+        raise UsageError(f"--out {args.out}: already exists; pass --overwrite to replace it")
+    try:
+        path = import_hf(args.directory, args.out, num_streams=args.streams,
+                         mtp_depth=args.mtp_depth, max_seq_len=args.max_seq_len)  # fmt: skip
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    print(path)
+    return 0
+
+
 # ---------------------------------------------------------------------------- entry point
 
 SUBCOMMANDS: dict[
@@ -264,6 +350,11 @@ SUBCOMMANDS: dict[
         "supervised warm-up, then GRPO with the engine in the loop",
         add_run_arguments,
         run_run,
+    ),
+    "import-hf": (
+        "HuggingFace Llama/Mistral/Qwen2/Qwen3 checkpoint -> birkhoff checkpoint",
+        add_import_hf_arguments,
+        run_import_hf,
     ),
 }
 

@@ -30,10 +30,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def build_hf_model(case: str, *, seed: int = 0) -> Any:
+def build_hf_model(case: str, *, seed: int = 0, **overrides: Any) -> Any:
     """A tiny random model of one CASES entry, every parameter (biases, norms) non-trivial."""
     config_cls, extra = CASES[case]
-    kwargs = {**BASE, **extra}
+    kwargs = {**BASE, **extra, **overrides}
     if "rope_scaling" in kwargs:
         kwargs["rope_parameters"] = {"rope_theta": kwargs.pop("rope_theta"),
                                      **kwargs.pop("rope_scaling")}  # fmt: skip

@@ -53,7 +53,7 @@ def test_text_and_special_tokens_round_trip(tmp_path: Path) -> None:
     chat = "<|im_start|>user\nhi<|im_end|>"
     parsed = tok.encode(chat, special=True)
     assert parsed[0] == 3 and 4 in parsed  # role markers are single special ids
-    assert tok.decode(parsed) == chat
+    assert tok.decode(parsed) == "<|im_start|>user\nhi"  # decode ends at a stop id (4 here)
     plain = tok.encode(chat + "</s>")  # user text cannot inject special tokens
     assert not set(plain) & {0, 1, 2, 3, 4}
     assert tok.decode(plain) == chat + "</s>"

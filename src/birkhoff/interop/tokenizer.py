@@ -1,8 +1,9 @@
 """HuggingFace `tokenizer.json` tokenizers with the interface of birkhoff's CharTokenizer.
 
-The code uses a tokenizer through `pad_id`, `bos_id`, `eos_id`, `vocab_size`, `encode(text)`
-(ids of the text, no special tokens added) and `decode(ids)` (text before the first EOS, pad and
-BOS skipped); `HFTokenizer` provides exactly these, backed by the `tokenizers` library.
+The code uses a tokenizer through `pad_id`, `bos_id`, `eos_id`, `stop_ids`, `vocab_size`,
+`encode(text)` (ids of the text, no special tokens added) and `decode(ids)` (text before the
+first stop id, pad and BOS skipped): the `Tokenizer` protocol of birkhoff/tokenizer.py.
+`HFTokenizer` provides exactly these, backed by the `tokenizers` library.
 
 Design choices:
 - Special tokens come from tokenizer_config.json (`bos_token`, `eos_token`, `pad_token`, as a
@@ -29,6 +30,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from birkhoff.tokenizer import CharTokenizer, Tokenizer
 
 
 def token_content(value: object) -> str | None:
@@ -123,11 +126,12 @@ class HFTokenizer:
             self.tokenizer.encode_special_tokens = False
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to (not including) the first eos; pad and bos are skipped."""
+        """Text of `ids` up to (not including) the first stop id (the EOS or another of
+        `stop_ids`, where generation ends); pad and bos are skipped."""
         kept = []
         for token in ids:
             token = int(token)
-            if token == self.eos_id:
+            if token in self.stop_ids:
                 break
             if token in (self.pad_id, self.bos_id):
                 continue
@@ -157,3 +161,11 @@ class HFTokenizer:
         return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
+
+
+def checkpoint_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a checkpoint: HFTokenizer when it holds tokenizer.json (an imported
+    model), else the built-in CharTokenizer."""
+    if (Path(directory) / "tokenizer.json").is_file():
+        return HFTokenizer.from_dir(directory)
+    return CharTokenizer()

@@ -21,8 +21,9 @@ metrics.jsonl is truncated to the checkpoint's step on resume.
 from __future__ import annotations
 
 import copy
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss, token_logprobs
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.tasks.problems import (
+    Problem,
     Task,
     get_task,
     held_out_rng,
@@ -46,7 +48,7 @@ from birkhoff.tasks.problems import (
     sampling_seed,
     step_rng,
 )
-from birkhoff.tokenizer import CharTokenizer
+from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
 from birkhoff.train.loop import supervised_steps
 from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
@@ -90,25 +92,39 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
 
 
 class GRPORun:
-    """State of one run: model, optimizer, engine, step counters, output directory."""
+    """State of one run: model, optimizer, engine, step counters, output directory.
 
-    def __init__(self, preset: Preset, out_dir: str | Path, *, device: str = "cpu") -> None:
+    By default the preset says everything: its task, the character tokenizer, a fresh model and
+    held-out problems from `held_out_rng`. `task` + `eval_problems` replace the task (a JSONL
+    file's splits), `tokenizer` the tokenizer, and `init` a checkpoint whose weights the model
+    starts from (its config must be the preset's model config).
+    """
+
+    def __init__(
+        self, preset: Preset, out_dir: str | Path, *, device: str = "cpu", task: Task | None = None,
+        eval_problems: Sequence[Problem] | None = None, tokenizer: Tokenizer | None = None,
+        init: str | os.PathLike[str] | None = None,
+    ) -> None:  # fmt: skip
         if not isinstance(preset.rl, RLConfig):
             raise ValueError(f"preset {preset.name!r} has no RL config (preset.rl is None)")
         self.preset, self.rl, self.device = preset, preset.rl, torch.device(device)
         self.out = Path(out_dir)
-        self.tokenizer = CharTokenizer()
-        self.task: Task = get_task(preset.task, **preset.task_options)
+        self.tokenizer: Tokenizer = CharTokenizer() if tokenizer is None else tokenizer
+        self.task: Task = get_task(preset.task, **preset.task_options) if task is None else task
         torch.manual_seed(preset.train.seed)
         self.model = build_model(preset.model, preset.train, device=self.device)
+        if init is not None:
+            load_checkpoint(init, model=self.model)
         self.optimizer = build_optimizer(self.model, preset.train)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()
         self.log = MetricsLog(self.out / "metrics.jsonl")
-        held_out = held_out_rng(preset.train.seed)
-        self.eval_problems = sample_problems(self.task, held_out, self.rl.num_eval_prompts)
+        if eval_problems is None:
+            held_out = held_out_rng(preset.train.seed)
+            eval_problems = sample_problems(self.task, held_out, self.rl.num_eval_prompts)
+        self.eval_problems = list(eval_problems)[: self.rl.num_eval_prompts]
 
     @property
     def total_steps(self) -> int:
