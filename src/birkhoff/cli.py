@@ -1,11 +1,11 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
-Subcommands: `run`, `train`, `generate`, `import-hf`.
+Subcommands: `run`, `train`, `generate`, `import-hf`, `export-hf`.
 - `run`: the main job, a supervised warm-up then GRPO with the engine in the loop (on a preset's
   task or a JSONL file, from a fresh model or a checkpoint);
 - `train`: supervised training only;
 - `generate`: complete prompts with a checkpoint (its tokenizer.json when it has one);
-- `import-hf`: a HuggingFace Llama-family checkpoint -> a birkhoff checkpoint (docs/interop.md).
+- `import-hf` / `export-hf`: HuggingFace Llama-family checkpoints in and out (docs/interop.md).
 Benchmarks are scripts in benchmarks/, not subcommands.
 
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
@@ -174,12 +174,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
-    parser.add_argument(
-        "--stop-after",
-        type=int,
-        default=None,
-        help="stop (with a checkpoint) after this global step; --resume later",
-    )
+    stop_help = "stop (checkpointed) after this global step; --resume later"
+    parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
     add_job_arguments(parser)
 
 
@@ -313,30 +309,50 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------- import-hf
+# ---------------------------------------------------------------------------- import/export-hf
+
+
+def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
+    parser.add_argument("source", type=Path, help=source)
+    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", type=Path, help="HuggingFace checkpoint directory")
-    parser.add_argument("--out", type=Path, required=True, help="birkhoff checkpoint directory")
+    add_hf_arguments(parser, "HuggingFace checkpoint directory")
     parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
     parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def add_export_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    add_hf_arguments(parser, "birkhoff checkpoint directory (S = 1)")
+    parser.add_argument("--drop-mtp", action="store_true", help="leave MTP weights out")
+
+
+def run_hf(args: argparse.Namespace, convert: Callable[[], Path]) -> int:
+    """Run an import/export; an existing --out needs --overwrite; errors exit with code 2."""
+    if args.out.exists() and not args.overwrite:
+        raise UsageError(f"--out {args.out}: already exists; pass --overwrite to replace it")
+    try:
+        print(convert())
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    return 0
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from birkhoff.interop.hf import import_hf
 
-    if args.out.exists() and not args.overwrite:
-        raise UsageError(f"--out {args.out}: already exists; pass --overwrite to replace it")
-    try:
-        path = import_hf(args.directory, args.out, num_streams=args.streams,
-                         mtp_depth=args.mtp_depth, max_seq_len=args.max_seq_len)  # fmt: skip
-    except (ValueError, OSError) as err:
-        raise UsageError(str(err)) from err
-    print(path)
-    return 0
+    options = {"num_streams": args.streams, "mtp_depth": args.mtp_depth,
+               "max_seq_len": args.max_seq_len}  # fmt: skip
+    return run_hf(args, lambda: import_hf(args.source, args.out, **options))
+
+
+def run_export_hf(args: argparse.Namespace) -> int:
+    from birkhoff.interop.hf import export_hf
+
+    return run_hf(args, lambda: export_hf(args.source, args.out, drop_mtp=args.drop_mtp))
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -351,12 +367,11 @@ SUBCOMMANDS: dict[
         add_run_arguments,
         run_run,
     ),
-    "import-hf": (
-        "HuggingFace Llama/Mistral/Qwen2/Qwen3 checkpoint -> birkhoff checkpoint",
-        add_import_hf_arguments,
-        run_import_hf,
-    ),
-}
+    "import-hf": ("HuggingFace Llama-family checkpoint -> birkhoff checkpoint",
+                  add_import_hf_arguments, run_import_hf),
+    "export-hf": ("S = 1 birkhoff checkpoint -> HuggingFace checkpoint",
+                  add_export_hf_arguments, run_export_hf),
+}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

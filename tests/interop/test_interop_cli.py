@@ -1,4 +1,4 @@
-"""`birkhoff import-hf`, `birkhoff run --init/--data`, `birkhoff generate` with an HF tokenizer."""
+"""`birkhoff import-hf | export-hf`, `run --init/--data`, `generate` with an HF tokenizer."""
 
 from __future__ import annotations
 
@@ -45,6 +45,26 @@ def test_import_hf_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "--overwrite" in capsys.readouterr().err
     assert main(["import-hf", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_export_hf_command_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    hf = hf_dir_with_tokenizer(tmp_path / "hf")
+    assert main(["import-hf", str(hf), "--out", str(tmp_path / "s1")]) == 0
+    assert main(["export-hf", str(tmp_path / "s1"), "--out", str(tmp_path / "back")]) == 0
+    original, back = (
+        load_file(hf / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[n], back[n]) for n in original)
+    for name in ("config.json", "tokenizer.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (hf / name).read_bytes()
+    assert main(["import-hf", str(hf), "--out", str(tmp_path / "s2"), "--streams", "2"]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", str(tmp_path / "s2"), "--out", str(tmp_path / "x")]) == 2
+    assert "num_streams" in capsys.readouterr().err
 
 
 def test_generate_uses_the_checkpoint_tokenizer_and_its_stop_ids(
