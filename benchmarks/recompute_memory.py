@@ -4,13 +4,25 @@ Variants, all on the same mHC + MTP model and batch:
   none              no recompute (every activation kept for backward)
   torch_checkpoint  torch.utils.checkpoint (non-reentrant) around every block and MTP depth
   never             birkhoff checkpoint, reclaim="never" (plain recompute, no registry)
-  safe              birkhoff checkpoint, reclaim="safe" (registry + safe early reclaim)
+  safe              birkhoff checkpoint, reclaim="safe" (inputs released right after the rerun)
+  safe_tracked      "safe" inside track_saved_storages() (census and sanitizer bookkeeping),
+                    as the training step runs it
   always            birkhoff checkpoint, reclaim="always" (the unconditional free; --with-always)
 A step is forward + loss + backward + AdamW step, after one warm-up step (optimizer state exists).
+Step time: the median of --repeats steps, the variants' steps interleaved one by one so that
+load on the machine hits every variant alike ("always" is not timed).
 Peak memory: on CPU the peak of live tensor bytes allocated during the step (a dispatch mode
 that re-reads storage sizes after every op); on CUDA `torch.cuda.max_memory_allocated` minus the
 bytes allocated before the step (parameters, gradients-free, optimizer state), bf16 autocast.
-Ratios are reported against "never" and "torch_checkpoint" measured in the same run.
+After-step memory: what is still allocated after the step (gradients, optimizer state and any
+leak) above what was allocated before it. Ratios are reported against "never" and
+"torch_checkpoint" measured in the same run.
+
+Stash leak (printed after the table): a stack of MLP blocks, each checkpointed, each keeping a
+recomputed tensor on `self` (as MoE dispatchers do). Bytes still allocated after the step with
+torch's reentrant checkpoint (megatron's CheckpointFunction is built the same way: the stash's
+graph keeps the block's input and its .grad), torch's non-reentrant one and ours ("safe"); the
+difference reentrant - safe is the memory the rerun aliases and gradient sinks recover.
 
   python benchmarks/recompute_memory.py --device cpu --quick
   python benchmarks/recompute_memory.py --device cpu
@@ -25,6 +37,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -34,15 +47,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_size_args, apply_sizes, sync
-from torch import Tensor
+import torch.utils.checkpoint as tuc
+from common import add_size_args, apply_sizes, json_args, sync
+from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.recompute import PeakLiveBytes, track_saved_storages
+from birkhoff.recompute import PeakLiveBytes, checkpoint, track_saved_storages
 from birkhoff.train.recompute import apply_checkpoint, apply_recompute
 
-VARIANTS = ("none", "torch_checkpoint", "never", "safe")
+VARIANTS = ("none", "torch_checkpoint", "never", "safe", "safe_tracked")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -64,8 +78,8 @@ def build(args: argparse.Namespace, variant: str) -> tuple[Transformer, torch.op
     model = Transformer(model_config(args)).to(args.device)
     if variant == "torch_checkpoint":
         apply_checkpoint(model, torch_checkpointed)
-    elif variant in ("never", "safe", "always"):
-        apply_recompute(model, reclaim=variant)
+    elif variant != "none":
+        apply_recompute(model, reclaim={"safe_tracked": "safe"}.get(variant, variant))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
@@ -75,7 +89,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, vari
     with contextlib.ExitStack() as stack:
         if ids.is_cuda:
             stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-        if variant in ("safe", "always"):  # "never" runs without the registry: its baseline
+        if variant in ("safe_tracked", "always"):  # "always" needs it for the sanitizer case
             stack.enter_context(track_saved_storages())
         loss = model(ids, labels=ids).loss
     assert loss is not None
@@ -85,41 +99,59 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, vari
 
 @contextlib.contextmanager
 def peak_meter(device: str) -> Iterator[dict[str, int]]:
-    """Yields a dict filled with peak bytes (and the bytes live before) for the enclosed code."""
+    """Yields a dict filled with the bytes live before, the peak and the bytes left after."""
     result: dict[str, int] = {}
     if device == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         yield result
+        gc.collect()
         sync(device)
         result["before"], result["peak"] = base, torch.cuda.max_memory_allocated() - base
+        result["after"] = torch.cuda.memory_allocated() - base
         return
     with PeakLiveBytes() as tracker:
         yield result
-    result["before"], result["peak"] = 0, tracker.peak_bytes
+    gc.collect()
+    result["before"], result["peak"], result["after"] = 0, tracker.peak_bytes, tracker.live_bytes()
 
 
 def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, Any]:
+    """Peak and after-step memory of one step (after a warm-up step), one variant at a time."""
     model, opt = build(args, variant)
     try:
         train_step(model, opt, ids, variant)  # warm-up: optimizer state, allocator pools
         with peak_meter(args.device) as mem:
             train_step(model, opt, ids, variant)
-        times = []
-        for _ in range(args.repeats):
-            sync(args.device)
-            start = time.perf_counter()
-            train_step(model, opt, ids, variant)
-            sync(args.device)
-            times.append(time.perf_counter() - start)
     except RuntimeError as err:  # "always" may read freed storage
         return {"status": f"failed: {str(err).splitlines()[0][:160]}"}
     finally:
         del model, opt
         release_memory(args.device)
     return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
-            "step_ms": 1e3 * statistics.median(times), "num_timed_steps": len(times)}  # fmt: skip
+            "after_step_bytes": mem["after"]}  # fmt: skip
+
+
+def time_interleaved(
+    args: argparse.Namespace, variants: list[str], ids: Tensor
+) -> dict[str, float]:
+    """Median step time per variant, variants interleaved step by step, so that load on the
+    machine (other processes, clocks) falls on all of them alike."""
+    built = {v: build(args, v) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for v, (model, opt) in built.items():
+        train_step(model, opt, ids, v)  # warm-up
+    for _ in range(args.repeats):
+        for v, (model, opt) in built.items():
+            sync(args.device)
+            start = time.perf_counter()
+            train_step(model, opt, ids, v)
+            sync(args.device)
+            times[v].append(time.perf_counter() - start)
+    del built
+    release_memory(args.device)
+    return {v: 1e3 * statistics.median(t) for v, t in times.items()}
 
 
 def release_memory(device: str) -> None:
@@ -136,7 +168,11 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     if "safe" in ok and "never" in ok:
         out["safe_peak_over_never"] = ok["safe"]["peak_bytes"] / ok["never"]["peak_bytes"]
-        out["registry_step_overhead"] = ok["safe"]["step_ms"] / ok["never"]["step_ms"] - 1.0
+        out["safe_step_overhead"] = ok["safe"]["step_ms"] / ok["never"]["step_ms"] - 1.0
+    if "safe_tracked" in ok and "never" in ok:
+        tracked = ok["safe_tracked"]
+        out["tracked_step_overhead"] = tracked["step_ms"] / ok["never"]["step_ms"] - 1.0
+        out["tracked_peak_over_never"] = tracked["peak_bytes"] / ok["never"]["peak_bytes"]
     if "safe" in ok and "torch_checkpoint" in ok:
         torch_peak = ok["torch_checkpoint"]["peak_bytes"]
         out["safe_peak_over_torch_checkpoint"] = ok["safe"]["peak_bytes"] / torch_peak
@@ -147,18 +183,60 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
     ref = rows.get("never", {})
-    print(f"\n{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'step ms':>10}{'vs never':>10}")
+    print(f"\n{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'after MiB':>11}"
+          f"{'step ms':>10}{'vs never':>10}")  # fmt: skip
     for name, row in rows.items():
         if row["status"] != "ok":
             print(f"{name:<18}{row['status']}")
             continue
-        peak, ms = row["peak_bytes"], row["step_ms"]
+        peak, ms, after = row["peak_bytes"], row.get("step_ms", math.nan), row["after_step_bytes"]
         rel_peak = peak / ref["peak_bytes"] if ref.get("status") == "ok" else float("nan")
         rel_ms = ms / ref["step_ms"] if ref.get("status") == "ok" else float("nan")
-        print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{ms:>10.1f}{rel_ms:>10.3f}")
+        print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{after / 2**20:>11.2f}"
+              f"{ms:>10.1f}{rel_ms:>10.3f}")  # fmt: skip
     cuda_what = "torch.cuda.max_memory_allocated above the bytes allocated before the step"
     cpu_what = "peak live bytes of tensors allocated during the step"
     print(f"(peak: {cuda_what if device == 'cuda' else cpu_what})")
+
+
+class StashBlock(nn.Module):
+    """An MLP block that keeps its latest hidden activation on `self` (an MoE-style stash)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.stash: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.relu(self.up(x))
+        self.stash = hidden[:, :8]  # a view: keeps `hidden` (and, via its graph, the input)
+        return x + self.down(hidden)
+
+
+def stash_leak(args: argparse.Namespace) -> dict[str, int]:
+    """Bytes left allocated after one step of a stashing block stack, per checkpoint kind."""
+    tokens, dim = args.batch * args.seq, args.dim
+    kinds: dict[str, Callable[..., Tensor]] = {
+        "torch_reentrant": lambda f, x: tuc.checkpoint(f, x, use_reentrant=True),
+        "torch_checkpoint": lambda f, x: tuc.checkpoint(f, x, use_reentrant=False),
+        "safe": lambda f, x: checkpoint(f, x, reclaim="safe"),
+    }
+    out = {}
+    for name, wrap in kinds.items():
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(StashBlock(dim) for _ in range(args.layers)).to(args.device)
+        x0 = torch.randn(tokens, dim, device=args.device, requires_grad=True)
+        with peak_meter(args.device) as mem:
+            h = x0 * 1.0
+            for block in blocks:
+                h = wrap(block, h)
+            h.square().mean().backward()
+            del h
+        out[name] = mem["after"]
+        del blocks, x0
+        release_memory(args.device)
+    out["recovered_vs_reentrant"] = out["torch_reentrant"] - out["safe"]
+    return out
 
 
 def run_sanitizer_case(args: argparse.Namespace) -> int:
@@ -215,13 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         rows[variant] = measure(args, variant, ids)
         print(f"  {variant}: {rows[variant]}")
+    timed = [v for v, row in rows.items() if row["status"] == "ok" and v != "always"]
+    for variant, ms in time_interleaved(args, timed, ids).items():
+        rows[variant].update(step_ms=ms, num_timed_steps=args.repeats)
     print_table(rows, args.device)
+    leak = stash_leak(args)
+    print("stash leak, MiB left after the step: "
+          + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in leak.items()))  # fmt: skip
     summary = ratios(rows)
     for key, value in summary.items():
         print(f"{key}: {value:+.4f}" if "overhead" in key else f"{key}: {value:.4f}")
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config = json_args(args)
     report = {"device": args.device, "num_params": num_params, "config": config,
-              "torch": torch.__version__, "variants": rows, "ratios": summary}  # fmt: skip
+              "torch": torch.__version__, "variants": rows, "ratios": summary,
+              "stash_leak_after_step_bytes": leak}  # fmt: skip
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     out = (
@@ -229,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({"ratios": summary, "stash_leak_after_step_bytes": leak}))
     print(f"wrote {out}")
     return 0
 

@@ -60,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--recompute", choices=("none", "full"), default="none")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--mhc-kernels", choices=("auto", "eager", "triton"), default="auto",
+                   help="mHC ops: fused Triton (auto on CUDA) or the eager reference")  # fmt: skip
     p.add_argument("--variants", default="S1_M0,S4_M0,S1_M1,S4_M1", help="comma-separated")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
     return p.parse_args()
@@ -78,10 +80,11 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
     return base | given
 
 
-def model_config(size: dict[str, int], streams: int, mtp: int) -> ModelConfig:
+def model_config(size: dict[str, int], streams: int, mtp: int, kernels: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=h200_small().model.vocab_size, dim=size["dim"], num_layers=size["layers"],
         num_heads=size["heads"], num_streams=streams, mtp_depth=mtp, max_seq_len=size["seq"],
+        mhc_kernels=kernels,
     )  # fmt: skip
 
 
@@ -139,7 +142,7 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> 
 def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
                 device: torch.device) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(model_config(size, streams, mtp)).to(device)
+    model = Transformer(model_config(size, streams, mtp, args.mhc_kernels)).to(device)
     if args.recompute == "full":  # every block and MTP depth, safe reclaim
         apply_recompute(model, reclaim="safe")
     if args.compile:  # identical blocks share one compiled graph (parameters are graph inputs)
@@ -207,18 +210,20 @@ def main() -> None:
     for r in rows.values():
         r["mfu"] = {k: r["tflops"] * 1e12 / peak for k, peak in peaks.items()}
     print(f"device={args.device} sizes={size} recompute={args.recompute} compile={args.compile} "
-          f"torch={torch.__version__}")  # fmt: skip
+          f"mhc_kernels={args.mhc_kernels} torch={torch.__version__}")  # fmt: skip
     print_table(rows, peaks)
     overhead = ratios(rows)
     for name, value in overhead.items():
         print(f"{name:<22} {value:.3f}x time")
     report = dict(device=args.device, torch=torch.__version__, sizes=size,
                   recompute=args.recompute, compile=args.compile, threads=torch.get_num_threads(),
+                  mhc_kernels=args.mhc_kernels,
                   peak_flops=peaks, variants=rows, ratios=overhead,
                   flops_formula="6*N_matmul + 12*(num_layers+M)*T*D per token")  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     suffix = ("-compile" if args.compile else "") + ("-quick" if args.quick else "")
+    suffix += "-eager" if args.mhc_kernels == "eager" else ""
     out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

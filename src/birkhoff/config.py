@@ -35,6 +35,8 @@ class ModelConfig:
     mlp_hidden: int | None = None  # None: SwiGLU width 8/3 * dim rounded up to a multiple of 8
     num_streams: int = 4  # S; 1 = plain residual stream, exactly a pre-norm transformer
     sinkhorn_iters: int = 20
+    mhc_eps: float = 1e-6  # eps of H_pre = sigmoid + eps and of the Sinkhorn entries/denominators
+    mhc_kernels: Literal["auto", "eager", "triton"] = "auto"  # auto: fused Triton ops on CUDA
     mtp_depth: int = 1  # M; 0 = no multi-token prediction
     mtp_loss_weight: float = 0.3  # lambda in L = L_main + lambda/M * sum_k L_k
     max_seq_len: int = 256
@@ -79,6 +81,9 @@ class ModelConfig:
         check(hidden is None or hidden >= 1, "mlp_hidden", hidden, "must be >= 1")
         check(self.num_streams >= 1, "num_streams", self.num_streams, "must be >= 1")
         check(self.sinkhorn_iters >= 1, "sinkhorn_iters", self.sinkhorn_iters, "must be >= 1")
+        check(0 < self.mhc_eps < 1e-2, "mhc_eps", self.mhc_eps, "must be in (0, 1e-2)")
+        kernels = self.mhc_kernels
+        check(kernels in ("auto", "eager", "triton"), "mhc_kernels", kernels, "auto|eager|triton")
         check(self.mtp_depth >= 0, "mtp_depth", self.mtp_depth, "must be >= 0")
         w = self.mtp_loss_weight
         check(math.isfinite(w) and w >= 0, "mtp_loss_weight", w, "must be finite and >= 0")

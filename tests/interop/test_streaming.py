@@ -10,7 +10,7 @@ import torch
 from hf_helpers import build_hf_model, save_hf_model
 from safetensors.torch import load_file, save_file
 
-from birkhoff.interop import hf as hf_cli
+from birkhoff.cli import main
 from birkhoff.interop.hf import import_hf
 from birkhoff.interop.streaming import SafetensorsSource, StreamingWriter, TensorSpec
 from birkhoff.train.checkpoint import load_checkpoint
@@ -66,11 +66,11 @@ def test_tied_lm_head_in_the_source_must_equal_the_embedding(tmp_path: Path) -> 
 
 def test_command_line_import_and_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     save_hf_model(build_hf_model("llama-gqa"), tmp_path / "hf")
-    hf_cli.main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"),
-                 "--streams", "2", "--mtp-depth", "1", "--max-seq-len", "64"])  # fmt: skip
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"),
+                 "--streams", "2", "--mtp-depth", "1", "--max-seq-len", "64"]) == 0  # fmt: skip
     cfg = load_checkpoint(tmp_path / "ckpt").config
     assert (cfg.num_streams, cfg.mtp_depth, cfg.max_seq_len) == (2, 1, 64)
-    hf_cli.main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "dense")])
-    hf_cli.main(["export", str(tmp_path / "dense"), "--out", str(tmp_path / "out")])
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "dense")]) == 0
+    assert main(["export-hf", str(tmp_path / "dense"), "--out", str(tmp_path / "out")]) == 0
     assert str(tmp_path / "out") in capsys.readouterr().out
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -1,7 +1,9 @@
-"""mHC: Sinkhorn properties, gradcheck of the hyper-connection, closeness to a residual at init."""
+"""mHC: Sinkhorn properties, gradcheck of the hyper-connection, closeness to a residual at init,
+agreement with an fp64 transcription of DeepSeek-V4's published formulation."""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +13,9 @@ from birkhoff.model.hyper import (
     expand_streams,
     init_bias,
     mhc_coefficients,
+    mix_in,
     sinkhorn,
+    use_fused,
 )
 
 
@@ -112,3 +116,82 @@ def test_sublayer_at_init_is_close_to_plain_residual() -> None:
     err = (y_BTSD - plain_BTD[:, :, None]).abs().max() / f(x_BTD).abs().max()
     assert err < 0.02, f"relative deviation from plain residual {err:.4f}"
     assert not math.isnan(err.item())
+
+
+def v4_reference(
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int
+) -> tuple[torch.Tensor, ...]:
+    """fp64 transcription of DeepSeek-V4's published hyper-connection: pre, post, comb, collapse."""
+    B, T, S, D = x.shape
+    eps = 1e-6
+    flat = x.reshape(B, T, S * D).double()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    pre_w, post_w, comb_w = (flat @ fn.double().t()).split([S, S, S * S], dim=-1)
+    pre_b, post_b, comb_b = base.double().split([S, S, S * S])
+    scale = scale.double()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(B, T, S, S) * scale[2] + comb_b.view(S, S), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * x.double()).sum(dim=2)
+    return pre, post, comb, collapsed
+
+
+def _v4_inputs(S: int = 4, D: int = 16, magnitude: float = 1.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    P = S * S + 2 * S
+    x = magnitude * torch.randn(2, 5, S, D, generator=g, dtype=torch.float64)
+    fn = torch.randn(P, S * D, generator=g, dtype=torch.float64) / math.sqrt(S * D)
+    base = init_bias(S, home=1).double() + 0.5 * torch.randn(P, generator=g, dtype=torch.float64)
+    return x, fn, base, torch.tensor([0.8, 0.6, 1.5], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("S", [1, 2, 4, 8])
+def test_eager_coefficients_equal_the_v4_formulation_in_fp64(S: int) -> None:
+    x, fn, base, scale = _v4_inputs(S)
+    pre, post, res = mhc_coefficients(x, fn, scale, base, iters=20, norm_eps=1e-6)
+    ref = v4_reference(x, fn, base, scale, iters=20)
+    for ours, theirs in zip((pre, post, res, mix_in(x, pre)), ref, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_mix_in_sums_in_fp32_like_the_reference() -> None:
+    # The published collapse multiplies fp32 weights with the bf16 streams, sums in fp32 and casts
+    # after; casting H_pre to bf16 first (the previous formulation) lands further from fp64.
+    x, fn, base, scale = _v4_inputs(magnitude=4.0)
+    x_bf = x.to(torch.bfloat16)
+    pre = mhc_coefficients(x_bf, fn.float(), scale.float(), base.float(), iters=20, norm_eps=1e-6)[
+        0
+    ]
+    exact = (pre.double()[..., None] * x_bf.double()).sum(2)
+    ours = mix_in(x_bf, pre)
+    published = (pre.unsqueeze(-1) * x_bf).sum(dim=2).to(torch.bfloat16)
+    cast_first = torch.einsum("btj,btjd->btd", pre.to(torch.bfloat16), x_bf)
+    assert ours.dtype == torch.bfloat16
+    assert (ours.double() - published.double()).abs().max() <= 4 * 2**-8  # one bf16 ulp at ~4-8
+    err_ours = (ours.double() - exact).abs().max()
+    assert err_ours < (cast_first.double() - exact).abs().max()
+
+
+def test_kernels_switch_is_validated() -> None:
+    x = torch.zeros(1, 1, 2, 3)
+    with pytest.raises(ValueError, match="kernels='cuda'"):
+        mix_in(x, torch.ones(1, 1, 2), kernels="cuda")
+    assert not use_fused(x, "auto") and not use_fused(x, "eager") and use_fused(x, "triton")
+    assert not use_fused(x.double(), "auto")
+
+
+def test_config_fields_reach_the_hyper_connection_and_are_validated() -> None:
+    from birkhoff.config import ModelConfig
+    from birkhoff.model.hyper import build_hyper_connection
+
+    cfg = ModelConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2, mhc_eps=1e-5)
+    hc = build_hyper_connection(cfg.replace(mhc_kernels="eager"), home=0)
+    assert isinstance(hc, HyperConnection) and (hc.eps, hc.kernels) == (1e-5, "eager")
+    with pytest.raises(ValueError, match="mhc_eps=0"):
+        cfg.replace(mhc_eps=0)
+    with pytest.raises(ValueError, match="mhc_kernels='cuda'"):
+        cfg.replace(mhc_kernels="cuda")

@@ -1,9 +1,10 @@
-"""The alias matrix: safe reclaim tracks storages, not tensors, and does not depend on order.
+"""The alias matrix: safe reclaim never frees a storage someone reads, in any order.
 
 {view, chunk, detach, .data, set_, as_strided} x {a pending node saves the base, none does} x
 {checkpoint backward first, reader first}. The checkpoint's input is an alias of `base`; the
 reader saves `base` itself. "safe" must never free the storage before the reader has run, must
-give the same gradients as the plain graph, and must leave the storage freed after backward.
+give the same gradients as the plain graph, must leave the storage intact while the caller
+holds `base`, and must let it die after backward when the caller does not.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from birkhoff.recompute import UseAfterFreeError, checkpoint, sanitize, track_saved_storages
 
@@ -76,7 +78,18 @@ def test_safe_reclaim_alias_matrix(alias: str, reader: bool, checkpoint_first: b
         assert seen and seen[0] == base.numel() * base.element_size()  # not freed before it ran
     for r, o in zip(ref_grads, grads, strict=True):
         assert (r is None and o is None) or torch.equal(r, o)
-    assert base.untyped_storage().nbytes() == 0  # freed once no one reads it
+    assert base.untyped_storage().nbytes() == base.numel() * base.element_size()  # caller's
+
+
+@pytest.mark.parametrize(("alias", "reader", "checkpoint_first"), CASES)
+def test_storage_dies_after_backward_when_only_autograd_held_it(
+    alias: str, reader: bool, checkpoint_first: bool
+) -> None:
+    with sanitize():
+        _, _, _, base = build_and_run(alias, reader, checkpoint_first, "safe")
+    ref = StorageWeakRef(base.untyped_storage())
+    del base
+    assert ref.expired()
 
 
 @pytest.mark.parametrize("alias", list(ALIASES))

@@ -1,4 +1,8 @@
-"""The leak pattern (recomputed tensors stashed on a module attribute) and the census."""
+"""The leak pattern (tensors stashed on a module attribute during recompute) and the census.
+
+The census reports the stash and names its holder; "safe" leaves it intact (the module may read
+it), only the unconditional free destroys it under its holder.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ class Stasher(nn.Module):
         return torch.tanh(self.proj(x))
 
 
-@pytest.mark.parametrize(("reclaim", "leaked"), [("never", 64 * 8 * 8), ("safe", 0), ("always", 0)])
+@pytest.mark.parametrize(("reclaim", "leaked"), [("never", 4096), ("safe", 4096), ("always", 0)])
 def test_census_sees_the_stash(reclaim: str, leaked: int) -> None:
     module = Stasher()
     inp = torch.randn(64, 8, dtype=torch.float64, requires_grad=True)
@@ -33,7 +37,11 @@ def test_census_sees_the_stash(reclaim: str, leaked: int) -> None:
     loss.backward()
     del h, out, loss
     assert module.cache is not None  # the stray reference is still there ...
-    assert census().live_bytes == leaked  # ... and holds memory only without reclaim
+    found = census(model=module)
+    assert found.live_bytes == leaked  # ... it holds the input's storage ...
+    assert found.holders == ({"cache": 4096} if leaked else {})  # ... and is named
+    if reclaim == "safe":
+        assert torch.equal(module.cache, inp.detach() * 2.0)  # and still reads what it held
 
 
 def test_census_counts_live_forward_storages() -> None:
@@ -41,9 +49,14 @@ def test_census_counts_live_forward_storages() -> None:
     with track_saved_storages():
         a = leaf * 2.0  # 400 bytes, kept
         b = a * 3.0  # 400 bytes, dropped below
+        s = (a * a).sum()  # MulBackward0 saves `a` (twice): one pending storage
+    assert census().pending_storages == 1
+    s.backward()
+    assert census().pending_storages == 0
     del b
     c = census()
-    assert (c.live_bytes, c.live_storages) == (400, 1)
+    assert (c.live_bytes, c.live_storages) == (400 + 4, 2)  # a and s
+    del s
     a.untyped_storage().resize_(0)
     assert census().live_bytes == 0
 

@@ -9,7 +9,7 @@ depth catching up on accepted positions. Rows with fewer than T real positions a
 padded slots read and write the cache's trash slot and their outputs are ignored.
 
 Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, apply_rope,
-swiglu, mhc_coefficients, mix_in, mix_out, plain_residual, contraction_weights, contract,
+swiglu, mhc_coefficients, mix_in, mix_out, plain_residual, contract,
 single_stream, expand_streams, mtp_merge): the engine re-implements none of the model math, so an
 fp32 engine matches the trainer to rounding and a fused kernel replaces an op in one place.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
@@ -31,7 +31,6 @@ from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
 from birkhoff.model.hyper import (
     contract,
-    contraction_weights,
     expand_streams,
     mhc_coefficients,
     mix_in,
@@ -126,9 +125,10 @@ def hyper(
         return plain_residual(x_ATSD, sublayer)
     h_pre, h_post, h_res = mhc_coefficients(
         x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"],
-        iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps,
+        iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
     )  # fmt: skip
-    return mix_out(x_ATSD, sublayer(mix_in(x_ATSD, h_pre)), h_post, h_res)
+    f_ATD = sublayer(mix_in(x_ATSD, h_pre, kernels=cfg.mhc_kernels))
+    return mix_out(x_ATSD, f_ATD, h_post, h_res, kernels=cfg.mhc_kernels)
 
 
 def block(
@@ -153,11 +153,11 @@ def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> 
     if cfg.num_streams == 1:
         h_ATD = single_stream(x_ATSD)
     else:
-        w_ATS = contraction_weights(
+        h_ATD = contract(
             x_ATSD, w[prefix + "contraction.phi"], w[prefix + "contraction.alpha"],
-            w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps,
+            w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
+            kernels=cfg.mhc_kernels,
         )  # fmt: skip
-        h_ATD = contract(x_ATSD, w_ATS)
     return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps)
 
 

@@ -37,7 +37,6 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 
 OFF_HOME_WEIGHT = 0.05  # r above: the weight of a non-home stream in H_pre and the contraction
-PRE_EPS = 1e-6  # the constant added to H_pre in model/hyper.py
 HC_PATTERN = re.compile(r"^(?:layers\.(\d+)|mtp\.(\d+)\.block)\.hc_(attn|mlp)\.(phi|alpha|bias)$")
 CONTRACTION_PATTERN = re.compile(r"^(?:mtp\.\d+\.)?contraction\.(phi|alpha|bias)$")
 
@@ -50,17 +49,18 @@ def stream_weights(num_streams: int, home: int) -> Tensor:
     return w
 
 
-def pre_bias(num_streams: int, home: int) -> Tensor:
-    """b with sigmoid(b) + PRE_EPS = w: the static pre (or contraction) logits, fp32."""
-    p = stream_weights(num_streams, home) - PRE_EPS
+def pre_bias(num_streams: int, home: int, eps: float) -> Tensor:
+    """b with sigmoid(b) + eps = w (eps = ModelConfig.mhc_eps, added to H_pre in model/hyper.py):
+    the static pre (or contraction) logits, fp32."""
+    p = stream_weights(num_streams, home) - eps
     return torch.log(p / (1 - p)).float()
 
 
-def hyper_bias(num_streams: int, home: int) -> Tensor:
+def hyper_bias(num_streams: int, home: int, eps: float) -> Tensor:
     """Static bias [pre | post | res] of one upcycled sublayer: sum H_pre = 1, H_post = 1."""
     S = num_streams
     res = 6.0 * torch.eye(S) - 3.0  # any doubly stochastic H_res keeps the dense output
-    return torch.cat((pre_bias(S, home), torch.zeros(S), res.flatten()))
+    return torch.cat((pre_bias(S, home, eps), torch.zeros(S), res.flatten()))
 
 
 def is_upcycled(name: str) -> bool:
@@ -78,13 +78,13 @@ def hyper_tensor(cfg: ModelConfig, name: str) -> Tensor:
         home = 2 * index + (sublayer == "mlp")  # as block.py assigns homes
         values = {"phi": lambda: torch.zeros(S * S + 2 * S, S * D),
                   "alpha": lambda: torch.full((3,), 0.01),
-                  "bias": lambda: hyper_bias(S, home)}  # fmt: skip
+                  "bias": lambda: hyper_bias(S, home, cfg.mhc_eps)}  # fmt: skip
         return values[param]()
     contraction = CONTRACTION_PATTERN.match(name)
     if contraction is not None:
         param = contraction.group(1)
         values = {"phi": lambda: torch.zeros(S, S * D), "alpha": lambda: torch.full((1,), 0.01),
-                  "bias": lambda: pre_bias(S, home=0)}  # fmt: skip
+                  "bias": lambda: pre_bias(S, 0, cfg.mhc_eps)}  # fmt: skip
         return values[param]()
     raise ValueError(f"{name}: not an mHC parameter")
 

@@ -7,22 +7,29 @@ The residual is widened to S streams x_BTSD. Around each sublayer F (attention, 
 with per-token coefficients computed from the streams themselves:
     x' = RMSNorm(flatten(x))                       (no weight: phi absorbs it)
     [pre | post | res] = alpha * (x' @ phi^T) + bias   (one projection, P logits, this order)
-    H_pre = sigmoid(pre) + 1e-6, H_post = 2 sigmoid(post), H_res = Sinkhorn(res as S x S).
+    H_pre = sigmoid(pre) + eps, H_post = 2 sigmoid(post), H_res = Sinkhorn(res as S x S)
+(DeepSeek-V4's published formulation; eps = 1e-6 = ModelConfig.mhc_eps).
 H_res is applied transposed (column k collects into stream k), as in the reference layout.
 
 Design choices:
 - Coefficients and Sinkhorn run in >= fp32 with autocast disabled: Sinkhorn in bf16 is unstable.
-  fp64 inputs stay fp64 so gradcheck and the CPU reference tests are exact.
+  fp64 inputs stay fp64 so gradcheck and the CPU reference tests are exact. The stream sums
+  (mix in, mix out, contraction) also accumulate in >= fp32 and cast once at the end.
+- The functions here are the eager reference and the CPU path. Each takes `kernels`
+  ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
+  `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere. Callers that pass
+  nothing (the engine) get "auto".
 - The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
   home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
   Zero biases would start from maximal mixing (H_res uniform).
 - S = 1 uses `PlainResidual` (x + F(x)), so the model reduces exactly to a pre-norm transformer.
 - Streams are expanded once at the input and contracted once at the output by
-  `StreamContraction` (sigmoid weights like H_pre, no Sinkhorn). Left out: fused kernels.
+  `StreamContraction` (sigmoid weights like H_pre, no Sinkhorn).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 
@@ -32,18 +39,32 @@ from torch import Tensor, nn
 from birkhoff.config import ModelConfig
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
-PRE_EPS = 1e-6
+MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
+KERNELS = ("auto", "eager", "triton")
+_TRITON = importlib.util.find_spec("triton") is not None
+if _TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
+    import birkhoff.kernels.mhc  # noqa: F401
 
 
-def sinkhorn(logits_SS: Tensor, iters: int, eps: float = 1e-6) -> Tensor:
-    """Sinkhorn-Knopp on exp(logits) over the last two dims: alternate row, column normalisation.
+def use_fused(x: Tensor, kernels: str) -> bool:
+    """Whether to run the fused Triton ops: "triton" always, "auto" on CUDA (not fp64)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is invalid: must be one of {KERNELS}")
+    if kernels == "auto":
+        return _TRITON and x.is_cuda and x.dtype != torch.float64
+    return kernels == "triton"
 
-    Columns are normalised last, so column sums are exact and row sums converge (~1e-3 after
-    20 iterations for typical logits). Subtracting the max first changes nothing mathematically
-    (a global scale cancels in the first row normalisation) and avoids overflow.
+
+def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
+    """Sinkhorn-Knopp over the last two dims as DeepSeek-V4 publishes it.
+
+    Row softmax, + eps on every entry, column normalisation, then (iters - 1) x (row, column)
+    normalisation, eps in every denominator. Columns are normalised last, so column sums are
+    exact and row sums converge (~1e-3 after 20 iterations for typical logits).
     """
-    m = torch.exp(logits_SS - logits_SS.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iters):
+    m = torch.softmax(logits_SS, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
         m = m / (m.sum(dim=-1, keepdim=True) + eps)
         m = m / (m.sum(dim=-2, keepdim=True) + eps)
     return m
@@ -60,9 +81,16 @@ def init_bias(num_streams: int, home: int) -> Tensor:
 
 
 def mhc_coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int, norm_eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
+    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.mhc_coefficients(
+            x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
+        )
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -71,44 +99,70 @@ def mhc_coefficients(
         alpha, bias = alpha_3.to(dtype), bias_P.to(dtype)
         pre, post, res = logits_BTP.split([S, S, S * S], dim=-1)
         b_pre, b_post, b_res = bias.split([S, S, S * S])
-        h_pre = torch.sigmoid(alpha[0] * pre + b_pre) + PRE_EPS
+        h_pre = torch.sigmoid(alpha[0] * pre + b_pre) + eps
         h_post = 2.0 * torch.sigmoid(alpha[1] * post + b_post)
-        h_res = sinkhorn((alpha[2] * res + b_res).view(B, T, S, S), iters)
+        h_res = sinkhorn((alpha[2] * res + b_res).view(B, T, S, S), iters, eps)
     return h_pre, h_post, h_res
 
 
-def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor) -> Tensor:
-    """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D]."""
-    return torch.einsum("btj,btjd->btd", h_pre_BTS.to(x_BTSD.dtype), x_BTSD)
+def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tensor:
+    """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D], summed in >= fp32, cast to x's dtype."""
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.mix_in(x_BTSD, h_pre_BTS)
+    dtype = _compute_dtype(x_BTSD.dtype)
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
+        y_BTD = torch.einsum("btj,btjd->btd", h_pre_BTS.to(dtype), x_BTSD.to(dtype))
+    return y_BTD.to(x_BTSD.dtype)
 
 
-def mix_out(x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor) -> Tensor:
-    """y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D]."""
-    dtype = x_BTSD.dtype
-    residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD)
-    return residual_BTSD + h_post_BTS.to(dtype)[..., None] * f_BTD[:, :, None, :]
+def mix_out(
+    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor, *,
+    kernels: str = "auto",
+) -> Tensor:  # fmt: skip
+    """y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], in >= fp32, cast once.
+
+    The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
+    """
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
+    out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
+    dtype = _compute_dtype(out)
+    with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
+        residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD.to(dtype))
+        y_BTSD = residual_BTSD + h_post_BTS.to(dtype)[..., None] * f_BTD.to(dtype)[:, :, None, :]
+    return y_BTSD.to(out)
 
 
 class HyperConnection(nn.Module):
     """The mHC wrapper of one sublayer: computes coefficients, mixes in, runs F, mixes out."""
 
-    def __init__(self, dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float):
+    def __init__(
+        self, dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float,
+        eps: float = MHC_EPS, kernels: str = "auto",
+    ) -> None:  # fmt: skip
         super().__init__()
         S = num_streams
-        self.iters, self.norm_eps = iters, norm_eps
+        self.iters, self.norm_eps, self.eps, self.kernels = iters, norm_eps, eps, kernels
         self.phi = nn.Parameter(torch.randn(S * S + 2 * S, S * dim) / math.sqrt(S * dim))
         self.alpha = nn.Parameter(torch.full((3,), 0.01))
         self.bias = nn.Parameter(init_bias(S, home))
 
     def coefficients(self, x_BTSD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return mhc_coefficients(
-            x_BTSD, self.phi, self.alpha, self.bias, iters=self.iters, norm_eps=self.norm_eps
-        )
+            x_BTSD, self.phi, self.alpha, self.bias, iters=self.iters, norm_eps=self.norm_eps,
+            eps=self.eps, kernels=self.kernels,
+        )  # fmt: skip
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if use_fused(x_BTSD, self.kernels):  # one copy of the expanded input, not one per op
+            x_BTSD = x_BTSD.contiguous()
         h_pre, h_post, h_res = self.coefficients(x_BTSD)
-        f_BTD = sublayer(mix_in(x_BTSD, h_pre))
-        return mix_out(x_BTSD, f_BTD, h_post, h_res)
+        f_BTD = sublayer(mix_in(x_BTSD, h_pre, kernels=self.kernels))
+        return mix_out(x_BTSD, f_BTD, h_post, h_res, kernels=self.kernels)
 
 
 class PlainResidual(nn.Module):
@@ -122,8 +176,9 @@ def build_hyper_connection(cfg: ModelConfig, *, home: int) -> nn.Module:
     if cfg.num_streams == 1:
         return PlainResidual()
     return HyperConnection(
-        cfg.dim, cfg.num_streams, home=home, iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps
-    )
+        cfg.dim, cfg.num_streams, home=home, iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps,
+        eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
+    )  # fmt: skip
 
 
 def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
@@ -132,31 +187,52 @@ def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
 
 
 def contraction_weights(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float
-) -> Tensor:
+    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
+    eps: float = MHC_EPS, kernels: str = "auto",
+) -> Tensor:  # fmt: skip
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
         flat_BTC = rms_norm(x_BTSD.reshape(B, T, S * D).to(dtype), None, norm_eps)
         logits_BTS = alpha_1.to(dtype) * (flat_BTC @ phi_SC.to(dtype).t()) + bias_S.to(dtype)
-        return torch.sigmoid(logits_BTS) + PRE_EPS
+        return torch.sigmoid(logits_BTS) + eps
+
+
+def contract(
+    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
+    eps: float = MHC_EPS, kernels: str = "auto",
+) -> Tensor:  # fmt: skip
+    """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in`."""
+    w_BTS = contraction_weights(
+        x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels
+    )
+    return mix_in(x_BTSD, w_BTS, kernels=kernels)
 
 
 class StreamContraction(nn.Module):
     """Learned output head: sum_s w_s x_s with pre-style sigmoid weights (no Sinkhorn)."""
 
-    def __init__(self, dim: int, num_streams: int, *, norm_eps: float) -> None:
+    def __init__(
+        self, dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS,
+        kernels: str = "auto",
+    ) -> None:  # fmt: skip
         super().__init__()
         S = num_streams
-        self.norm_eps = norm_eps
+        self.norm_eps, self.eps, self.kernels = norm_eps, eps, kernels
         self.phi = nn.Parameter(torch.randn(S, S * dim) / math.sqrt(S * dim))
         self.alpha = nn.Parameter(torch.full((1,), 0.01))
         self.bias = nn.Parameter(init_bias(S, home=0)[:S].clone())
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
-        w_BTS = contraction_weights(x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps)
-        return contract(x_BTSD, w_BTS)
+        return contract(
+            x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps, eps=self.eps,
+            kernels=self.kernels,
+        )  # fmt: skip
 
 
 class SqueezeStreams(nn.Module):
@@ -166,10 +242,12 @@ class SqueezeStreams(nn.Module):
         return single_stream(x_BTSD)
 
 
-def build_contraction(dim: int, num_streams: int, *, norm_eps: float) -> nn.Module:
+def build_contraction(
+    dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto"
+) -> nn.Module:
     if num_streams == 1:
         return SqueezeStreams()
-    return StreamContraction(dim, num_streams, norm_eps=norm_eps)
+    return StreamContraction(dim, num_streams, norm_eps=norm_eps, eps=eps, kernels=kernels)
 
 
 # Pure functions the trainer's modules above and the engine's forward both call, so a fused
@@ -179,11 +257,6 @@ def build_contraction(dim: int, num_streams: int, *, norm_eps: float) -> nn.Modu
 def plain_residual(x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
     """S = 1: x + F(x) on the single stream, exactly the pre-norm transformer residual."""
     return x_BTSD + sublayer(x_BTSD[:, :, 0])[:, :, None, :]
-
-
-def contract(x_BTSD: Tensor, w_BTS: Tensor) -> Tensor:
-    """Output contraction sum_s w_s x_s -> [B,T,D], with w from `contraction_weights`."""
-    return torch.einsum("bts,btsd->btd", w_BTS.to(x_BTSD.dtype), x_BTSD)
 
 
 def single_stream(x_BTSD: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
 """Activation recompute with safe early reclaim, a use-after-free sanitizer and a leak census."""
 
 from birkhoff.recompute.census import Census, PeakLiveBytes, census
-from birkhoff.recompute.checkpoint import RECLAIM_MODES, checkpoint
+from birkhoff.recompute.checkpoint import RECLAIM_MODES, checkpoint, default_label
 from birkhoff.recompute.registry import (
     StorageRegistry,
     active_registry,
@@ -19,6 +19,7 @@ __all__ = [
     "active_registry",
     "census",
     "checkpoint",
+    "default_label",
     "last_registry",
     "sanitize",
     "track_saved_storages",

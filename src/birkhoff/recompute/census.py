@@ -3,22 +3,26 @@
 After backward, every activation of a step should be gone; storages that stay alive are held by
 references autograd does not know about (module attributes, Python lists, closures), i.e. leaks
 that last until the next step overwrites them. `census()` counts them from the weak references
-the registry took when the forward allocated each storage; a storage that a checkpoint
-reclaimed is alive but has 0 bytes, so it does not count.
+the registry took when the forward allocated each storage (a storage resized to 0 bytes does not
+count). Given the model, it also names the module attributes that hold tensors (outside
+parameters and buffers), with their bytes: that is where such leaks usually live, including
+tensors stashed while a checkpoint was recomputed in backward, which the forward never saw.
+The census reports; it frees nothing (a holder may still read what it holds).
 
 `PeakLiveBytes` is a measuring tool for CPU benchmarks: a dispatch mode that tracks the bytes of
-every storage created inside it and reports the peak of the live total, re-reading sizes after
-every op so storage freed by `resize_(0)` is seen at once.
+every storage an op inside it creates (not the aliases it returns of its inputs' storages) and
+reports the peak of the live total, re-reading sizes after every op so storage freed by
+`resize_(0)` is seen at once.
 Left out: storages allocated during backward (recomputed activations) are not in the census.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -31,6 +35,9 @@ class Census:
     live_bytes: int  # bytes of forward-allocated storages still alive (and not reclaimed)
     live_storages: int  # how many such storages
     tracked_storages: int  # how many storages the forward allocated in all
+    pending_storages: int  # storages still saved by autograd nodes outside checkpoints
+    # "<module>.<attribute>" -> bytes of the live storages tensors on it hold (model given)
+    holders: dict[str, int] = field(default_factory=dict)
 
 
 def _nbytes(ref: StorageWeakRef) -> int:
@@ -39,14 +46,44 @@ def _nbytes(ref: StorageWeakRef) -> int:
     return int(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
 
 
-def census(registry: StorageRegistry | None = None) -> Census:
-    """Live bytes of the storages allocated during the last (or the given) tracked forward."""
+def census(registry: StorageRegistry | None = None, *, model: nn.Module | None = None) -> Census:
+    """Live bytes of the storages allocated during the last (or the given) tracked forward.
+
+    `pending_storages` counts storages that nodes which have not run (or a graph still alive)
+    hold as saved tensors. With `model`, `holders` names every module attribute that holds a
+    tensor (not a parameter or buffer) on a live storage, e.g. {"layers.0.moe.cache": 4096}.
+    """
     registry = registry or last_registry()
     if registry is None:
         raise RuntimeError("census() needs a forward run inside track_saved_storages() first")
     sizes = [_nbytes(ref) for ref in registry.allocated.values()]
     live = [n for n in sizes if n > 0]
-    return Census(live_bytes=sum(live), live_storages=len(live), tracked_storages=len(sizes))
+    holders = module_holders(model) if model is not None else {}
+    return Census(
+        live_bytes=sum(live), live_storages=len(live), tracked_storages=len(sizes),
+        pending_storages=len(registry.readers), holders=holders,
+    )  # fmt: skip
+
+
+def module_holders(model: nn.Module) -> dict[str, int]:
+    """Module attributes (one level into lists, tuples and dicts) holding non-empty tensors."""
+    out: dict[str, int] = {}
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules") or attr.startswith("__"):
+                continue
+            items = value.values() if isinstance(value, dict) else value
+            tensors = [value] if isinstance(value, Tensor) else []
+            if isinstance(value, list | tuple | dict):
+                tensors = [t for t in items if isinstance(t, Tensor)]
+            seen: dict[int, int] = {}
+            for t in tensors:
+                key = storage_key(t)
+                if key is not None:
+                    seen[key] = t.untyped_storage().nbytes()
+            if sum(seen.values()) > 0:
+                out[f"{prefix}.{attr}" if prefix else attr] = sum(seen.values())
+    return out
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -59,9 +96,14 @@ class PeakLiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (view, detach, in-place) allocated nothing: counting
+        # it would add storages that existed before the measured code (parameters, inputs).
+        inputs = {storage_key(x) for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
         for t in tree_leaves(out):
             key = storage_key(t) if isinstance(t, Tensor) else None
-            if key is not None and (key not in self.refs or self.refs[key].expired()):
+            if key is None or key in inputs:
+                continue
+            if key not in self.refs or self.refs[key].expired():
                 self.refs[key] = StorageWeakRef(t.untyped_storage())
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out

@@ -1,61 +1,55 @@
-"""Activation recompute that saves only a function's inputs, with optional early reclaim.
+"""Activation recompute: tensors saved inside `fn` become slots that a rerun fills in backward.
 
-`checkpoint(fn, *args, reclaim=...)` runs `fn` without building a graph, keeps only its inputs,
-and in backward reruns `fn` with the forward's CPU and CUDA RNG states and autocast settings,
-then backpropagates through the rerun (parameter gradients accumulate into `.grad`, input
-gradients are returned). After that, an input's storage may be reclaimed:
-- "never": the inputs are just dropped (plain recompute);
-- "always": every input storage is freed at once, whoever still reads it. This is the
-  unconditional `untyped_storage().resize_(0)` that corrupts mHC + MTP; it is kept only to
-  reproduce that bug in tests and benchmarks;
-- "safe": the storage is freed only if the forward allocated it (not a parameter, buffer or user
-  input) and once no pending autograd node holds a saved tensor on it (see registry.py). Until
-  then the checkpoint just drops its reference, and the last reader frees it. Needs the forward
-  to run inside `track_saved_storages()`.
+`checkpoint(fn, *args, reclaim=..., name=...)` runs `fn(*args)` with autograd on, under
+saved-tensor hooks that hand every node an empty `_Slot` instead of the tensor it saves. The
+graph is fn's own graph, so values that leave fn through a side channel (a router loss appended
+to a list) keep their gradients, `torch.autograd.grad` works, and every gradient comes from the
+same nodes as without recompute. The first time backward unpacks a slot, fn reruns with the
+forward's RNG states and autocast settings, and the tensors the rerun saves fill the slots that
+are still alive, in order; the rerun stops after the last live slot. A slot gives its tensor
+away when it is unpacked. This is how `torch.utils.checkpoint`'s non-reentrant mode works; it is
+written here so the checkpoint's own references are explicit and `reclaim` can act on them.
 
-Design choices:
-- A `torch.autograd.Function` with reentrant backward, written here rather than wrapping
-  `torch.utils.checkpoint`, so the inputs are held by registry holders (counted as readers)
-  and the reclaim decision sees them.
-- The recompute runs with identity saved-tensor hooks and allocation recording paused, so a
-  backward run inside a tracking context does not register its own temporaries.
-Left out: `torch.autograd.grad` with respect to parameters used inside `fn` and
-`retain_graph=True` (both need the reentrant backward to keep inputs; a second backward raises).
+`reclaim` says when the checkpoint gives up its references to its inputs:
+- "never": when the checkpoint's last node is freed; a second backward (`retain_graph=True`)
+  reruns fn again;
+- "safe": right after the rerun, which is the last moment the checkpoint reads them; a second
+  backward through it raises and says so. Nothing is freed: the storage dies when its last
+  holder does, so a tensor someone else still holds (the caller, a module attribute, a hook, a
+  pending node) stays intact;
+- "always": every input storage is `resize_(0)`-ed when the checkpoint's last node is freed
+  (after its backward), whoever still holds it. This is the unconditional free that corrupts
+  mHC + MTP; it is kept only to reproduce that bug in tests and benchmarks.
+
+Ownership (why nothing forms a cycle or pins memory):
+- Nodes hold slots and the frame's unpack hook; the frame holds fn, the inputs, the RNG state
+  and weak references to its slots, never an output or a node.
+- The rerun's graph is discarded: its nodes save nothing, and its inputs are `rerun_alias`
+  tensors whose only graph edge leads to a 0-byte anchor. A tensor the rerun leaves behind (an
+  MoE layer stashing recomputed tokens on `self`) therefore holds its own storage and nothing of
+  the checkpoint: not the input storage, and no `.grad` of a detached input.
+Left out: nested checkpoints rerun the inner one inside the outer rerun (correct, not minimal);
+fn must save the same tensors (shape, dtype, device) on the rerun as in the forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
-from birkhoff.recompute.registry import (
-    SavedRef,
-    StorageRegistry,
-    active_recorder,
-    active_registry,
-    free_storage,
-    storage_key,
-)
+from birkhoff.recompute.registry import StorageRegistry, active_registry, storage_key
+from birkhoff.recompute.rerun import rerun_alias
 
 Reclaim = Literal["safe", "always", "never"]
-# An input that always requires grad, so the outputs do even when only parameters used inside
-# `fn` (and no input) require grad; it receives no gradient.
-_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 RECLAIM_MODES = ("safe", "always", "never")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Spec:
-    fn: Callable[..., Any]
-    reclaim: Reclaim
-    label: str
-    registry: StorageRegistry
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,156 +84,191 @@ class _RngAutocast:
             yield
 
 
-def _as_tuple(out: Any, label: str) -> tuple[Tensor, ...]:
-    outs = out if isinstance(out, tuple) else (out,)
-    if not outs or not all(isinstance(o, Tensor) for o in outs):
-        kinds = [type(o).__name__ for o in outs]
-        raise TypeError(
-            f"checkpoint {label!r}: fn must return a tensor or a tuple of tensors, got {kinds}"
-        )
-    return outs
+class _Slot:
+    """What a node inside the checkpoint saves instead of a tensor; the rerun fills it."""
+
+    __slots__ = ("index", "value", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.value: Tensor | None = None
 
 
-class _Checkpoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, spec: _Spec, anchor: Tensor, *args: Any) -> Any:
-        ctx.spec, ctx.rng = spec, _RngAutocast.capture(args)
-        # Inputs are held as registry holders (not save_for_backward): they count as pending
-        # readers of their storage until this node's backward drops them.
-        ctx.refs = [spec.registry.pack(a) if isinstance(a, Tensor) else a for a in args]
-        ctx.input_requires_grad = [isinstance(a, Tensor) and a.requires_grad for a in args]
-        # Leaves that require grad are parameters or user inputs even when created inside the
-        # forward (lazy initialisation): never reclaimed, whatever the registry says.
-        ctx.reclaimable = [
-            isinstance(a, Tensor) and not (a.is_leaf and a.requires_grad) for a in args
-        ]
-        with torch.no_grad():
-            out = spec.fn(*args)
-        outs = _as_tuple(out, spec.label)
-        input_keys = {storage_key(a) for a in args if isinstance(a, Tensor)}
-        for o in outs:
-            if not o._is_view() and storage_key(o) not in input_keys:
-                spec.registry.record_allocation(o)
-        ctx.single = not isinstance(out, tuple)
-        return outs[0] if ctx.single else outs
+class _StopRerun(Exception):
+    """Raised by the rerun's pack hook once the last live slot is filled."""
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        spec: _Spec = ctx.spec
-        refs, ctx.refs = ctx.refs, None
-        if refs is None:
+
+class _Frame:
+    """One checkpoint call: fn, its inputs, the forward's RNG state and its slots."""
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, reclaim: Reclaim, label: str,
+        registry: StorageRegistry | None,
+    ) -> None:  # fmt: skip
+        self.fn, self.reclaim, self.label, self.registry = fn, reclaim, label, registry
+        self.inputs: tuple | None = args
+        self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
+        self.state = _RngAutocast.capture(args)
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+
+    def pack(self, t: Tensor) -> _Slot:
+        slot = _Slot(len(self.slots))
+        self.slots.append(weakref.ref(slot))
+        self.metas.append((t.shape, t.dtype, t.device))
+        return slot
+
+    def unpack(self, slot: _Slot) -> Tensor:
+        if slot.value is None:
+            self.rerun()
+        value, slot.value = slot.value, None
+        assert value is not None, f"checkpoint {self.label!r}: slot {slot.index} was not refilled"
+        return value
+
+    def rerun(self) -> None:
+        if self.inputs is None:
             raise RuntimeError(
-                f"checkpoint {spec.label!r}: backward ran twice; recompute does not keep its "
-                "inputs for retain_graph=True"
+                f"checkpoint {self.label!r}: backward reached it a second time, but "
+                f"reclaim={self.reclaim!r} released its inputs after the first rerun; use "
+                "reclaim='never' to backward twice (retain_graph=True)"
             )
-        inputs = [_detached_input(r, g) for r, g in zip(refs, ctx.input_requires_grad, strict=True)]
-        saved_keys: set[int] = set()
-        with _rerun_hooks(saved_keys), ctx.rng.restore(), torch.enable_grad():
-            outs = _as_tuple(spec.fn(*inputs), spec.label)
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-        _free_unsaved_outputs(outs, saved_keys, inputs)
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = [x.grad if isinstance(x, Tensor) else None for x in inputs]
-        del inputs, outs, pairs
-        _reclaim(spec, [r for r, ok in zip(refs, ctx.reclaimable, strict=True) if ok])
-        del refs  # the last holder of a marked storage frees it (registry.release)
-        return (None, None, *input_grads)
+        live = [
+            i for i, ref in enumerate(self.slots) if (s := ref()) is not None and s.value is None
+        ]
+        if not live:
+            return
+        self.check_versions()
+        filler = _Filler(self, last=live[-1])
+        with contextlib.ExitStack() as stack:
+            if self.registry is not None:
+                stack.enter_context(self.registry.recording_paused())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(filler.pack, _no_unpack))
+            stack.enter_context(self.state.restore())
+            stack.enter_context(torch.enable_grad())
+            args = tuple(rerun_alias(a) if isinstance(a, Tensor) else a for a in self.inputs)
+            with contextlib.suppress(_StopRerun):
+                self.fn(*args)
+            del args
+        if filler.count <= live[-1]:
+            raise RuntimeError(
+                f"checkpoint {self.label!r}: the rerun saved {filler.count} tensors, the forward "
+                f"{len(self.slots)}; fn must do the same work when it is recomputed"
+            )
+        if self.reclaim == "safe":
+            self.release_inputs()
+
+    def check_versions(self) -> None:
+        assert self.inputs is not None
+        for i, (a, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
+            if isinstance(a, Tensor) and a._version != version:
+                raise RuntimeError(
+                    f"checkpoint {self.label!r}: input {i} was modified in place after the "
+                    f"forward (version {a._version}, expected {version}); the rerun would "
+                    "compute something else"
+                )
+
+    def release_inputs(self) -> None:
+        """Drop the references to the inputs; record them so the census can tell what died."""
+        inputs, self.inputs = self.inputs, None
+        if self.registry is not None and inputs is not None:
+            for a in inputs:
+                if isinstance(a, Tensor):
+                    self.registry.note_released(a, self.label)
+
+    def __del__(self) -> None:
+        # The frame dies with the checkpoint's last node, i.e. after its backward ran.
+        if self.reclaim != "always" or self.inputs is None:
+            return
+        registry = self.registry or StorageRegistry()
+        for a in self.inputs:
+            has_bytes = isinstance(a, Tensor) and storage_key(a) is not None
+            if has_bytes and a.untyped_storage().nbytes() > 0:
+                registry.free(a, self.label)
 
 
-def _detached_input(ref: Any, requires_grad: bool) -> Any:
-    if not isinstance(ref, SavedRef):
-        return ref
-    x = ref.unpack().detach()
-    return x.requires_grad_(requires_grad)
+class _Filler:
+    """Pack hook of the rerun: fills the frame's live slots in order, then stops the rerun."""
+
+    def __init__(self, frame: _Frame, last: int) -> None:
+        self.frame_ref = weakref.ref(frame)  # the rerun graph must not keep the frame alive
+        self.last, self.count = last, 0
+
+    def pack(self, t: Tensor) -> None:
+        frame = self.frame_ref()
+        assert frame is not None
+        index, self.count = self.count, self.count + 1
+        if index >= len(frame.slots):
+            raise RuntimeError(
+                f"checkpoint {frame.label!r}: the rerun saves more tensors than the forward "
+                f"({len(frame.slots)}); fn must do the same work when it is recomputed"
+            )
+        meta = (t.shape, t.dtype, t.device)
+        if meta != frame.metas[index]:
+            raise RuntimeError(
+                f"checkpoint {frame.label!r}: saved tensor {index} is {meta} on the rerun but "
+                f"was {frame.metas[index]} in the forward; fn must be deterministic"
+            )
+        slot = frame.slots[index]()
+        if slot is not None and slot.value is None:
+            slot.value = t.detach()  # no grad_fn: the rerun graph stays out of the slot
+        if index == self.last:
+            raise _StopRerun
 
 
-def _reclaim(spec: _Spec, refs: list[SavedRef]) -> None:
-    if spec.reclaim == "always":
-        for ref in refs:
-            if ref.tensor.untyped_storage().nbytes() > 0:
-                spec.registry.free(ref.tensor, spec.label)
-    elif spec.reclaim == "safe":
-        for ref in refs:
-            spec.registry.request_reclaim(ref, spec.label)
+def _no_unpack(_: Any) -> Tensor:
+    raise RuntimeError(
+        "backward through a graph built while recomputing a checkpoint: its nodes keep no "
+        "saved tensors (use the checkpoint's outputs, not values stashed during the rerun)"
+    )
 
 
-@contextlib.contextmanager
-def _rerun_hooks(saved_keys: set[int]) -> Iterator[None]:
-    """Saved-tensor hooks of the rerun: note which storages its nodes save, and nothing else.
+def _checkpoint_outputs(registry: StorageRegistry, out: Any, args: tuple) -> None:
+    """Note the outputs' storages as forward allocations (the recorder is paused inside fn)."""
+    input_keys = {storage_key(a) for a in args if isinstance(a, Tensor)}
+    for o in tree_leaves(out):
+        if isinstance(o, Tensor) and not o._is_view() and storage_key(o) not in input_keys:
+            registry.record_allocation(o)
 
-    They also keep the rerun out of an active tracking context (its hooks and recording).
+
+def default_label(fn: Callable[..., Any]) -> str:
+    """The name errors and the census use for a checkpoint of `fn`.
+
+    A `functools.partial` names what it wraps; a module (or a partial binding one as the first
+    argument, as transformers does with `partial(forward, layer, **kwargs)`) names its class.
     """
-
-    def pack(t: Tensor) -> Tensor:
-        key = storage_key(t)
-        if key is not None:
-            saved_keys.add(key)
-        return t
-
-    registry = active_registry()
-    if registry is not None:
-        registry.record_paused += 1
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
-            yield
-    finally:
-        if registry is not None:
-            registry.record_paused -= 1
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _free_unsaved_outputs(outs: tuple[Tensor, ...], saved_keys: set[int], inputs: list) -> None:
-    """Free rerun outputs no node saved: backward needs only their grad_fn, not their data.
-
-    torch.utils.checkpoint (non-reentrant) gets the same saving by stopping the rerun early.
-    """
-    keep = saved_keys | {storage_key(x) for x in inputs if isinstance(x, Tensor)}
-    for o in outs:
-        if not o._is_view() and storage_key(o) not in keep:
-            free_storage(o)
-
-
-@contextlib.contextmanager
-def _recording_paused(registry: StorageRegistry) -> Iterator[None]:
-    """Pop the allocation recorder around a checkpointed fn (it records the outputs itself)."""
-    recorder = active_recorder()
-    if recorder is not None and _get_current_dispatch_mode() is recorder:
-        with _pop_mode_temporarily():
-            yield
-        return
-    registry.record_paused += 1
-    try:
-        yield
-    finally:
-        registry.record_paused -= 1
+    bound: tuple = ()
+    while isinstance(fn, functools.partial):
+        bound = fn.args or bound
+        fn = fn.func
+    owner = getattr(fn, "__self__", None) or (bound[0] if bound else None)
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    name = str(getattr(fn, "__qualname__", type(fn).__name__))
+    if isinstance(owner, nn.Module) and not name.startswith(type(owner).__name__):
+        return f"{type(owner).__name__}.{name}"
+    return name
 
 
 def checkpoint(
     fn: Callable[..., Any], *args: Any, reclaim: Reclaim = "safe", name: str | None = None
 ) -> Any:
-    """Run `fn(*args)` saving only `args`; rerun it in backward; see the module docstring.
+    """Run `fn(*args)` keeping only `args` (plus slots); rerun it in backward. See module doc.
 
-    Returns what `fn` returns (a tensor or a tuple of tensors). `name` labels the checkpoint in
-    errors (default: `fn.__qualname__`).
+    Returns whatever fn returns. `name` labels the checkpoint in errors and in the census
+    (default: `default_label(fn)`). Tensors fn saves are tracked for the census and the
+    sanitizer when the forward runs inside `track_saved_storages()`; reclaim needs no context.
     """
     if reclaim not in RECLAIM_MODES:
         raise ValueError(f"reclaim={reclaim!r} is invalid: expected one of {RECLAIM_MODES}")
-    label = name or str(getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args)
     registry = active_registry()
-    if registry is None:
-        if reclaim == "safe":
-            raise RuntimeError(
-                f"checkpoint {label!r} uses reclaim='safe', which needs the forward to run "
-                "inside birkhoff.recompute.track_saved_storages(): wrap the forward pass (the "
-                "code that builds the graph, not the backward) in `with track_saved_storages():`"
-            )
-        registry = StorageRegistry()  # private: holds this checkpoint's inputs only
-    spec = _Spec(fn=fn, reclaim=reclaim, label=label, registry=registry)
-    with _recording_paused(registry):
-        return _Checkpoint.apply(spec, _GRAD_ANCHOR, *args)
+    frame = _Frame(fn, args, reclaim, name or default_label(fn), registry)
+    with contextlib.ExitStack() as stack:
+        if registry is not None:
+            stack.enter_context(registry.recording_paused())
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
+        out = fn(*args)
+    if registry is not None:
+        _checkpoint_outputs(registry, out, args)
+    return out

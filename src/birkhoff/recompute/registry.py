@@ -1,30 +1,25 @@
-"""Which storages pending autograd nodes still read, and which storages the forward allocated.
+"""Which storages pending autograd nodes still read, which the forward allocated, what died.
 
-A `StorageRegistry` answers the two questions safe reclaim asks about a checkpoint input:
-(a) does any autograd node that has not run yet hold a saved tensor on this storage, through any
-alias?  (b) was the storage allocated during the tracked forward (an activation), as opposed to
-a parameter, a buffer or a user input?
+A `StorageRegistry` is the bookkeeping behind `track_saved_storages()`. It decides nothing about
+freeing (a checkpoint with reclaim="safe" only drops its own references, see checkpoint.py); it
+lets the sanitizer and the census say what happened to a storage:
+- pending readers: saved-tensor hooks wrap every tensor saved outside checkpoints in a
+  `SavedRef` holder, counted per storage until autograd drops the holder (its node ran, or the
+  graph died). The sanitizer checks each holder when its node unpacks it.
+- forward allocations: a `TorchDispatchMode` notes every storage an op creates while grad mode
+  is on (outside checkpoints; a checkpoint notes its own outputs), so the census knows which
+  storages are this step's activations, as opposed to parameters, buffers or user inputs.
+- releases and frees: the storages a checkpoint released (reclaim="safe") with its label, and
+  those it freed (reclaim="always"), so errors and the census can name the checkpoint.
 
 Design choices:
 - Storage identity is `untyped_storage()._cdata`: every alias (view, chunk, detach, `.data`,
   `set_`, as_strided) shares it, while `data_ptr()` differs per view and `_base` misses `.data`
-  and `set_`.
-- (a) is a reference count. `track_saved_storages()` installs `saved_tensors_hooks` whose pack
-  returns a `SavedRef` holder; autograd drops the holder when the node releases its saved tensors
-  (right after it runs, or when the graph dies), and `SavedRef.__del__` decrements the count.
-  A checkpoint's own inputs are held by the same kind of holder, so two checkpoints sharing an
-  input also see each other.
-- Freeing is deferred to the moment the count reaches zero: a checkpoint that may reclaim an
-  input marks its storage, and whichever holder is dropped last frees it. The outcome therefore
-  does not depend on the order in which backward runs the readers.
-- (b) is recorded by a `TorchDispatchMode` that notes every storage an op creates (an output
-  whose storage is not one of the op's inputs') while grad mode is on, and by `checkpoint` for
-  its own outputs. Inside checkpointed functions the mode is popped, so its cost is a few dozen
-  ops per step, not one per op of the model.
+  and `set_`. Liveness is a `StorageWeakRef`: it expires exactly when no tensor, view or storage
+  object anywhere holds the storage any more.
 - With hooks active autograd skips its in-place check, so the holder records `_version` at pack
   time and unpack compares.
-Left out: tensors without storage (sparse, nested) are saved untracked; nothing here frees a
-storage that was not marked by a checkpoint.
+Left out: tensors without storage (sparse, nested) are saved untracked.
 """
 
 from __future__ import annotations
@@ -37,7 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 from torch.utils._pytree import tree_leaves
 
 from birkhoff.recompute import sanitizer
@@ -87,15 +86,15 @@ class SavedRef:
 
 
 class StorageRegistry:
-    """Pending saved readers per storage, forward-allocated storages, reclaim requests."""
+    """Pending saved readers per storage, forward-allocated storages, releases and frees."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.readers: dict[int, int] = {}  # storage key -> live SavedRef holders on it
         self.allocated: dict[int, StorageWeakRef] = {}  # storages born in the tracked forward
-        self.reclaim: dict[int, str] = {}  # key -> label of the checkpoint that may free it
-        self.freed: dict[int, str] = {}  # key -> label of the checkpoint that freed it
-        self.record_paused = 0  # > 0 inside checkpointed functions and recompute
+        self.released: dict[int, tuple[StorageWeakRef, str]] = {}  # key -> (storage, label)
+        self.resized: dict[int, str] = {}  # key -> label of the checkpoint that resized it to 0
+        self.record_paused = 0  # > 0 inside checkpointed functions and their reruns
 
     def acquire(self, key: int) -> None:
         with self._lock:
@@ -106,39 +105,50 @@ class StorageRegistry:
             left = self.readers[ref.key] - 1
             if left > 0:
                 self.readers[ref.key] = left
-                return
-            del self.readers[ref.key]
-            label = self.reclaim.pop(ref.key, None)
-        if label is not None and ref.tensor.untyped_storage().nbytes() > 0:
-            self.free(ref.tensor, label)
-
-    def pending(self, t: Tensor) -> int:
-        """Number of live saved holders (pending readers) on the storage of `t`."""
-        key = storage_key(t)
-        return 0 if key is None else self.readers.get(key, 0)
+            else:
+                del self.readers[ref.key]
 
     def record_allocation(self, t: Tensor) -> None:
         key = storage_key(t)
         if key is not None and key not in self.allocated:
             self.allocated[key] = StorageWeakRef(t.untyped_storage())
 
-    def is_activation(self, t: Tensor) -> bool:
-        """True if the storage of `t` was allocated during the tracked forward (and is alive)."""
+    def note_released(self, t: Tensor, label: str) -> None:
+        """A checkpoint labelled `label` dropped its reference to the storage of `t`."""
         key = storage_key(t)
-        ref = None if key is None else self.allocated.get(key)
-        return ref is not None and not ref.expired()
+        if key is not None and key not in self.released:
+            self.released[key] = (StorageWeakRef(t.untyped_storage()), label)
 
-    def request_reclaim(self, ref: SavedRef, label: str) -> None:
-        """Free `ref`'s storage once no holder reads it, if the forward allocated it."""
-        if self.is_activation(ref.tensor):
-            with self._lock:
-                self.reclaim.setdefault(ref.key, label)
+    @property
+    def freed(self) -> dict[int, str]:
+        """Storage key -> label of the checkpoint after whose release (or free) it died."""
+        died = {k: label for k, (ref, label) in self.released.items() if ref.expired()}
+        return {**died, **self.resized}
 
     def free(self, t: Tensor, label: str) -> None:
+        """Resize the storage of `t` to 0 bytes, whoever holds it (reclaim="always" only)."""
         key = storage_key(t)
         assert key is not None, "free() needs a tensor with a storage"
         free_storage(t)
-        self.freed[key] = label
+        self.resized[key] = label
+
+    @contextmanager
+    def recording_paused(self) -> Iterator[None]:
+        """Stop noting allocations (inside checkpointed functions and their reruns).
+
+        The recorder is popped when it is the innermost mode, so ops inside pay no dispatch
+        cost; otherwise (a rerun in backward, another mode on top) a counter mutes it.
+        """
+        recorder = next((rec for reg, rec in _STACK if reg is self), None)
+        self.record_paused += 1
+        try:
+            if recorder is not None and _get_current_dispatch_mode() is recorder:
+                with _pop_mode_temporarily():
+                    yield
+            else:
+                yield
+        finally:
+            self.record_paused -= 1
 
     def pack(self, t: Tensor) -> Any:
         key = storage_key(t)
@@ -187,10 +197,6 @@ def active_registry() -> StorageRegistry | None:
     return _STACK[-1][0] if _STACK else None
 
 
-def active_recorder() -> AllocationRecorder | None:
-    return _STACK[-1][1] if _STACK else None
-
-
 def last_registry() -> StorageRegistry | None:
     """The registry of the most recent tracked forward (for the census)."""
     return _LAST[-1] if _LAST else None
@@ -198,9 +204,10 @@ def last_registry() -> StorageRegistry | None:
 
 @contextmanager
 def track_saved_storages() -> Iterator[StorageRegistry]:
-    """Wrap a forward: registers saved tensors and forward allocations for safe reclaim.
+    """Wrap a forward: tracks saved tensors and allocations for the census and the sanitizer.
 
-    Run the backward outside it. Yields the registry (also `last_registry()` afterwards).
+    Checkpoints run inside it also record what they release. Run the backward outside it.
+    Yields the registry (also `last_registry()` afterwards).
     """
     registry = StorageRegistry()
     recorder = AllocationRecorder(registry)

@@ -1,0 +1,1 @@
+"""Fused GPU ops (Triton) with their eager references and autograd wrappers."""

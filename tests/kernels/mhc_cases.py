@@ -1,0 +1,131 @@
+"""Fused-vs-eager checks of the mHC ops, shared by the interpreter (CPU) and the CUDA tests.
+
+Legend: B batch, T tokens, S streams, D model dim, P = S*S + 2S logits.
+
+Each check runs one loss through the eager path and the fused path on the same inputs and
+compares every output and every gradient (streams x, F's input, phi, alpha, bias).
+Tolerances (fp32): outputs within 2e-5 of max(1, |eager|), gradients within 1e-4 of max(1, |eager|)
+(different summation orders and fp32 Sinkhorn; observed ~1e-7 to 1e-6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from birkhoff.model import hyper
+
+OUT_TOL, GRAD_TOL = 2e-5, 1e-4
+
+
+@dataclass(frozen=True)
+class Case:
+    S: int
+    D: int = 5
+    B: int = 2
+    T: int = 3
+    iters: int = 6
+    kind: str = "random"  # random | large_logits | near_singular
+
+
+CASES = [
+    Case(S=1),
+    Case(S=2),
+    Case(S=3, D=7),
+    Case(S=4, iters=10),
+    Case(S=8),
+    Case(S=4, B=3, T=1),
+    Case(S=4, B=0),
+    Case(S=4, D=300, B=1, T=2, iters=3),
+    Case(S=8, D=130, B=1, T=2, iters=3),
+    Case(S=4, B=2, T=17, iters=2),
+    Case(S=4, kind="large_logits", iters=20),
+    Case(S=4, kind="near_singular"),
+]
+
+
+def case_id(c: Case) -> str:
+    return f"S{c.S}-D{c.D}-B{c.B}-T{c.T}-it{c.iters}-{c.kind}"
+
+
+def make_inputs(c: Case, device: str, dtype: torch.dtype) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(1000 * c.S + c.D)
+    S, D, P = c.S, c.D, c.S * c.S + 2 * c.S
+    x = torch.randn(c.B, c.T, S, D, generator=g)
+    phi = torch.randn(P, S * D, generator=g) / (S * D) ** 0.5
+    alpha = torch.tensor([0.7, 0.5, 1.3])
+    bias = hyper.init_bias(S, home=1) + 0.3 * torch.randn(P, generator=g)
+    if c.kind == "large_logits":  # saturated sigmoids, near-permutation Sinkhorn input
+        alpha, bias = torch.tensor([8.0, 8.0, 40.0]), 3.0 * bias
+    if c.kind == "near_singular":  # streams equal up to 1e-4, tiny magnitude
+        x = 1e-3 * (x[:, :, :1] + 1e-4 * x)
+    f_in = torch.randn(c.B, c.T, D, generator=g)
+    w_out = torch.randn(c.B, c.T, S, D, generator=g)
+    named = dict(x=x, phi=phi, alpha=alpha, bias=bias, f_in=f_in, w_out=w_out)
+    return {k: v.to(device=device, dtype=dtype) for k, v in named.items()}
+
+
+def hyper_loss(inp: dict[str, Tensor], c: Case, kernels: str) -> tuple[list[Tensor], list[Tensor]]:
+    """Outputs (H_pre, H_post, H_res, mix_in, mix_out) and grads of a loss touching all of them."""
+    leaves = [inp[k].detach().clone().requires_grad_(True) for k in ("x", "phi", "alpha", "bias")]
+    x, phi, alpha, bias = leaves
+    f_in = inp["f_in"].detach().clone().requires_grad_(True)
+    pre, post, res = hyper.mhc_coefficients(
+        x, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
+    )
+    h = hyper.mix_in(x, pre, kernels=kernels)
+    f = torch.tanh(h + f_in)  # a sublayer that depends on the mix-in
+    y = hyper.mix_out(x, f, post, res, kernels=kernels)
+    S = c.S
+    w_res = torch.arange(S * S, device=x.device, dtype=torch.float32).view(S, S).cos()
+    loss = (y.float() * inp["w_out"].float()).sum() + (res * w_res).sum() + pre.sin().sum()
+    loss = loss + post.square().sum()
+    grads = torch.autograd.grad(loss, [*leaves, f_in])
+    return [pre, post, res, h, y], list(grads)
+
+
+def contraction_loss(
+    inp: dict[str, Tensor], c: Case, kernels: str
+) -> tuple[list[Tensor], list[Tensor]]:
+    S = c.S
+    x = inp["x"].detach().clone().requires_grad_(True)
+    phi = inp["phi"][:S].detach().clone().requires_grad_(True)
+    alpha = inp["alpha"][:1].detach().clone().requires_grad_(True)
+    bias = inp["bias"][:S].detach().clone().requires_grad_(True)
+    w = hyper.contraction_weights(x, phi, alpha, bias, norm_eps=1e-6, kernels=kernels)
+    h = hyper.contract(x, phi, alpha, bias, norm_eps=1e-6, kernels=kernels)
+    loss = (h.float() * inp["f_in"].float()).sum() + w.cos().sum()
+    return [w, h], list(torch.autograd.grad(loss, [x, phi, alpha, bias]))
+
+
+def assert_close(fused: list[Tensor], eager: list[Tensor], tol: float, what: str) -> None:
+    for i, (a, b) in enumerate(zip(fused, eager, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape)
+        assert torch.isfinite(a).all(), (what, i)
+        if b.numel() == 0:
+            continue
+        scale = max(1.0, b.abs().max().item())
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= tol * scale, (
+            f"{what}[{i}]: max |fused - eager| = {err:.3g} > {tol * scale:.3g}"
+        )
+
+
+def check_hyper(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
+    inp = make_inputs(c, device, dtype)
+    out_f, grads_f = hyper_loss(inp, c, "triton")
+    out_e, grads_e = hyper_loss(inp, c, "eager")
+    scale = 1.0 if dtype == torch.float32 else 300.0  # bf16: ~8 bits of mantissa
+    assert_close(out_f, out_e, OUT_TOL * scale, "outputs")
+    assert_close(grads_f, grads_e, GRAD_TOL * scale, "grads")
+
+
+def check_contraction(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
+    inp = make_inputs(c, device, dtype)
+    out_f, grads_f = contraction_loss(inp, c, "triton")
+    out_e, grads_e = contraction_loss(inp, c, "eager")
+    scale = 1.0 if dtype == torch.float32 else 300.0
+    assert_close(out_f, out_e, OUT_TOL * scale, "outputs")
+    assert_close(grads_f, grads_e, GRAD_TOL * scale, "grads")

@@ -1,0 +1,109 @@
+"""Fused mHC ops under the Triton interpreter on CPU (run by test_mhc_interpret.py with
+TRITON_INTERPRET=1 in a fresh process, which Triton needs before any kernel is defined)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mhc_cases import CASES, Case, case_id, check_contraction, check_hyper
+from mhc_model_cases import check_safe_reclaim, check_train_step
+
+from birkhoff.model import hyper
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_hyper_fused_matches_eager(case: Case) -> None:
+    check_hyper(case, "cpu")
+
+
+def test_phi_gradient_summed_over_several_token_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from birkhoff.kernels import mhc
+
+    monkeypatch.setattr(mhc, "GPHI_TOKENS", 16)  # 34 tokens: three partial g_phi blocks
+    check_hyper(Case(S=4, B=2, T=17, iters=2), "cpu")
+    check_contraction(Case(S=2, B=2, T=17), "cpu")
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=case_id)
+def test_contraction_fused_matches_eager(case: Case) -> None:
+    check_contraction(case, "cpu")
+
+
+def _op_args(S: int = 4, D: int = 5, N: int = 3) -> dict[str, tuple]:
+    g = torch.Generator().manual_seed(0)
+    P = S * S + 2 * S
+    x, f = torch.randn(N, S * D, generator=g), torch.randn(N, D, generator=g)
+    phi, alpha, bias = (
+        torch.randn(P, S * D, generator=g),
+        torch.rand(3, generator=g),
+        torch.randn(P),
+    )
+    pre, post = torch.rand(N, S, generator=g), torch.rand(N, S, generator=g)
+    res = torch.rand(N, S, S, generator=g)
+    return {
+        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, 1e-6, 1e-6),
+        "mhc_mix_in": (x.view(N, S, D), pre),
+        "mhc_mix_out": (x.view(N, S, D), f, post, res),
+    }
+
+
+@pytest.mark.parametrize("name", ["mhc_coefficients", "mhc_mix_in", "mhc_mix_out"])
+def test_custom_op_registration(name: str) -> None:
+    # schema, fake impl and autograd registration, as torch.library checks them (the AOT trace of
+    # the backward runs on CUDA, test_mhc_gpu.py, where it is cheap)
+    import birkhoff.kernels.mhc  # noqa: F401  (registers the ops)
+
+    args = tuple(
+        a.requires_grad_(True) if a.is_floating_point() and a.dim() else a
+        for a in _op_args()[name]
+        if isinstance(a, torch.Tensor)
+    )
+    rest = tuple(a for a in _op_args()[name] if not isinstance(a, torch.Tensor))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(
+        getattr(torch.ops.birkhoff, name).default, (*args, *rest), test_utils=checks
+    )
+
+
+def test_compile_traces_the_block_without_graph_break() -> None:
+    case = Case(S=4, iters=2)
+    inp = {k: v.requires_grad_(True) for k, v in _hyper_inputs(case).items()}
+
+    def block(x, phi, alpha, bias):  # type: ignore[no-untyped-def]
+        pre, post, res = hyper.mhc_coefficients(
+            x, phi, alpha, bias, iters=case.iters, norm_eps=1e-6, kernels="triton"
+        )
+        y = hyper.mix_out(
+            x, torch.tanh(hyper.mix_in(x, pre, kernels="triton")), post, res, kernels="triton"
+        )
+        return y.square().sum()
+
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    loss = compiled(**inp)
+    grads = torch.autograd.grad(loss, list(inp.values()))
+    ref = block(**inp)
+    ref_grads = torch.autograd.grad(ref, list(inp.values()))
+    torch.testing.assert_close(loss, ref)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def _hyper_inputs(case: Case) -> dict[str, torch.Tensor]:
+    from mhc_cases import make_inputs
+
+    inp = make_inputs(case, "cpu", torch.float32)
+    return {k: inp[k] for k in ("x", "phi", "alpha", "bias")}
+
+
+def test_train_step_fused_matches_eager() -> None:
+    check_train_step("cpu", autocast=False, loss_tol=1e-6, grad_tol=1e-4, shape=(1, 5))
+
+
+def test_checkpointed_blocks_rerun_fused_kernels_under_safe_reclaim() -> None:
+    check_safe_reclaim("cpu", shape=(1, 5))

@@ -1,0 +1,36 @@
+"""Runs mhc_interpret_cases.py in a fresh process with TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when a kernel is defined (at import of birkhoff.kernels), so the
+interpreter cases cannot share this process, where other tests may already have imported it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_fused_mhc_ops_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1] / "src"))
+    cases = str(HERE / "mhc_interpret_cases.py")
+    opts = [
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-W",
+        "ignore::DeprecationWarning",
+    ]
+    cmd = [sys.executable, "-m", "pytest", cases, *opts]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE.parents[1])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
