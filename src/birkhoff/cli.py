@@ -1,12 +1,18 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
-Subcommands: `run`, `train`, `generate`, `import-hf`, `export-hf`.
-- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop (on a preset's
-  task or a JSONL file, from a fresh model or a checkpoint);
+Subcommands: `run`, `train`, `generate`, `consolidate`, `import-hf`, `export-hf`.
+- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop (a preset's
+  task or a JSONL file, from a fresh model or a checkpoint: birkhoff.rl.inputs);
 - `train`: supervised training only;
 - `generate`: complete prompts with a checkpoint (its tokenizer.json when it has one);
+- `consolidate`: turn a sharded (torchrun) checkpoint into the single-directory format;
 - `import-hf` / `export-hf`: HuggingFace Llama-family checkpoints in and out (docs/interop.md).
 Benchmarks are scripts in benchmarks/, not subcommands.
+
+`run` and `train` also run data-parallel: `torchrun --nproc-per-node N -m birkhoff run ...`
+starts one process per device (birkhoff.train.distributed). A bad launch (a CPU run asking for
+NCCL, more processes than prompts or rows per step, ranks given different presets or flags, an
+output directory one rank cannot use) stops every rank with the same one-line error.
 
 Design choices: argparse only; a subcommand registers `add_<name>_arguments(parser)` and
 `run_<name>(args) -> int` in `SUBCOMMANDS`, so a new job is one more entry. User errors (unknown
@@ -24,9 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from birkhoff.interop.commands import add_export_hf_arguments, add_import_hf_arguments
+from birkhoff.rl.inputs import add_input_arguments, inputs_from_args
+
 if TYPE_CHECKING:  # imported lazily at run time: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
-    from birkhoff.tokenizer import Tokenizer
 
 EXIT_USAGE = 2
 
@@ -70,6 +78,48 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="torchrun only: nccl on cuda, gloo on cpu by default")  # fmt: skip
+
+
+def start_job(args: argparse.Namespace, preset: Preset, *, num_items: int, what: str) -> str:
+    """The device of this process; under torchrun, join the process group first.
+
+    Every check either runs alike on every rank (before the group exists) or is agreed on by
+    all ranks (the preset and flags, compared by hash), so a bad launch never hangs.
+    """
+    from birkhoff.train import distributed
+
+    device = resolve_device(args.device)
+    if not distributed.launched_by_torchrun():
+        if args.backend != "auto":
+            raise UsageError(f"--backend {args.backend}: only for runs launched by torchrun")
+        return device
+    try:
+        distributed.resolve_backend(device, args.backend)
+        distributed.check_world_size(int(os.environ["WORLD_SIZE"]), num_items, what)
+        ctx = distributed.init_distributed(device, args.backend)
+        flags = {k: str(v) for k, v in sorted(vars(args).items()) if not callable(v)}
+        distributed.check_same_config(repr(preset) + repr(flags))
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return str(ctx.device)
+
+
+def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
+    from birkhoff.train import distributed
+
+    error = None
+    if distributed.current().is_main:
+        try:
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+        except UsageError as err:
+            error = str(err)
+    try:
+        distributed.agree(error)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,11 +142,11 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     preset = preset.replace(train=train)
-    device = resolve_device(args.device)
-    if device != "cuda" and train.amp_dtype == "bf16":
+    if resolve_device(args.device) != "cuda" and train.amp_dtype == "bf16":
         raise UsageError(f"preset {preset.name!r} trains with bf16 autocast, which needs CUDA; "
-                         f"--device is {device}")  # fmt: skip
-    prepare_out_dir(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
+                         f"--device is {resolve_device(args.device)}")  # fmt: skip
+    device = start_job(args, preset, num_items=train.batch_size, what="batch_size")
+    prepare_on_main(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
 
     import torch
 
@@ -107,9 +157,16 @@ def run_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     summary = run_training(preset, args.out, device=torch.device(device),
                            progress=not args.no_progress)  # fmt: skip
-    for line in summary_lines(summary):
-        print(line)
+    if is_main():
+        for line in summary_lines(summary):
+            print(line)
     return 0
+
+
+def is_main() -> bool:
+    from birkhoff.train.distributed import current
+
+    return current().is_main
 
 
 # ---------------------------------------------------------------------------- generate
@@ -132,8 +189,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from birkhoff.interop.tokenizer import checkpoint_tokenizer
     from birkhoff.tasks.batches import text_prompt_ids
     from birkhoff.train.checkpoint import load_checkpoint
+    from birkhoff.train.dcp import is_sharded_checkpoint
 
     device = resolve_device(args.device)
+    if is_sharded_checkpoint(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "
+                         "consolidate --checkpoint DIR --out NEW_DIR` first")  # fmt: skip
     try:
         tok = checkpoint_tokenizer(args.checkpoint)
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
@@ -169,99 +230,29 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
-    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
-    parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
-    parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
-    parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
+    add_input_arguments(parser)  # --init, --data, --verifier, --eval-data, --max-new-tokens
     stop_help = "stop (checkpointed) after this global step; --resume later"
     parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
     add_job_arguments(parser)
-
-
-def run_preset(args: argparse.Namespace) -> Preset:
-    """The preset with the command line's overrides; ValueError for bad values."""
-    from birkhoff.presets import get_preset
-
-    preset = get_preset(args.preset)
-    if preset.rl is None:
-        raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps,
-                    "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
-    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    return preset.replace(rl=rl, train=train)
-
-
-def run_inputs(args: argparse.Namespace, preset: Preset) -> tuple[Preset, dict[str, Any]]:
-    """The preset and GRPORun's keyword arguments for --init / --data; every file is read and
-    checked here, before any training (ValueError naming the flag, file and line)."""
-    if args.data is None and (args.verifier is not None or args.eval_data is not None):
-        raise ValueError("--verifier and --eval-data need --data FILE.jsonl")
-    kwargs: dict[str, Any] = {}
-    if args.init is not None:
-        preset, kwargs = init_inputs(args.init, preset)
-    if args.data is not None:
-        preset, data = data_inputs(args, preset, kwargs.get("tokenizer"))
-        kwargs.update(data)
-    return preset, kwargs
-
-
-def init_inputs(init: Path, preset: Preset) -> tuple[Preset, dict[str, Any]]:
-    """--init CKPT: the checkpoint's model config and tokenizer (weights load in GRPORun)."""
-    from birkhoff.interop.tokenizer import checkpoint_tokenizer
-    from birkhoff.train.checkpoint import CONFIG_FILE, parse_config, read_manifest, read_verified
-
-    config = read_verified(init, read_manifest(init), CONFIG_FILE)
-    cfg = parse_config(init / CONFIG_FILE, config)
-    tokenizer = checkpoint_tokenizer(init)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"--init {init}: tokenizer has {tokenizer.vocab_size} ids, "
-                         f"the model's vocab_size is {cfg.vocab_size}")  # fmt: skip
-    assert preset.rl is not None
-    drafts = preset.rl.num_speculative_tokens if cfg.mtp_depth else 0  # no MTP, no drafts
-    preset = preset.replace(model=cfg, rl=preset.rl.replace(num_speculative_tokens=drafts))
-    return preset, {"init": init, "tokenizer": tokenizer}
-
-
-def data_inputs(
-    args: argparse.Namespace, preset: Preset, tokenizer: Tokenizer | None
-) -> tuple[Preset, dict[str, Any]]:
-    """--data FILE.jsonl: train and held-out splits, every line checked against the tokenizer."""
-    from birkhoff.tasks.jsonl import load_jsonl_tasks
-    from birkhoff.tokenizer import CharTokenizer
-
-    tok = tokenizer or CharTokenizer()
-    splits = load_jsonl_tasks(args.data, verifier=args.verifier or "exact",
-                              eval_path=args.eval_data, seed=preset.train.seed, tokenizer=tok,
-                              max_seq_len=preset.model.max_seq_len)  # fmt: skip
-    assert preset.rl is not None
-    if args.max_new_tokens is None:  # room for the longest answer and its EOS
-        longest = max(len(tok.encode(p.answer)) for p in splits.train.problems)
-        rl = preset.rl.replace(max_new_tokens=max(preset.rl.max_new_tokens, longest + 1))
-        preset = preset.replace(rl=rl)
-    return preset, {"task": splits.train, "eval_problems": splits.eval.problems}
 
 
 def run_run(args: argparse.Namespace) -> int:
     from birkhoff.train.checkpoint import CheckpointError
 
     try:
-        preset, inputs = run_inputs(args, run_preset(args))
+        preset, inputs = inputs_from_args(args)
     except ValueError as err:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
-    device = resolve_device(args.device)
+    assert preset.rl is not None
+    device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
     if args.resume:
         if not (out / "checkpoint").is_dir():
             raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
     else:
-        prepare_out_dir(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        if is_main():
+            (out / "metrics.jsonl").unlink(missing_ok=True)
 
     import torch
 
@@ -278,9 +269,10 @@ def run_run(args: argparse.Namespace) -> int:
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
     run.run(stop_after=args.stop_after, progress=not args.no_progress)
-    plot_run(out / "metrics.jsonl", out / "plots.png")
-    for line in run_summary(run.log.rows(), out):
-        print(line)
+    if is_main():
+        plot_run(out / "metrics.jsonl", out / "plots.png")
+        for line in run_summary(run.log.rows(), out):
+            print(line)
     return 0
 
 
@@ -309,50 +301,37 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------- import/export-hf
+# ---------------------------------------------------------------------------- consolidate
 
 
-def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
-    parser.add_argument("source", type=Path, help=source)
-    parser.add_argument("--out", type=Path, required=True, help="directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, required=True, help="sharded checkpoint")
+    parser.add_argument("--out", type=Path, required=True, help="new checkpoint directory")
 
 
-def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    add_hf_arguments(parser, "HuggingFace checkpoint directory")
-    parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
-    parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
+def run_consolidate(args: argparse.Namespace) -> int:
+    from birkhoff.train.checkpoint import CheckpointError
+    from birkhoff.train.dcp import consolidate
 
-
-def add_export_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    add_hf_arguments(parser, "birkhoff checkpoint directory (S = 1)")
-    parser.add_argument("--drop-mtp", action="store_true", help="leave MTP weights out")
-
-
-def run_hf(args: argparse.Namespace, convert: Callable[[], Path]) -> int:
-    """Run an import/export; an existing --out needs --overwrite; errors exit with code 2."""
-    if args.out.exists() and not args.overwrite:
-        raise UsageError(f"--out {args.out}: already exists; pass --overwrite to replace it")
+    if args.out.exists():
+        raise UsageError(f"--out {args.out}: already exists")
     try:
-        print(convert())
-    except (ValueError, OSError) as err:
+        path = consolidate(args.checkpoint, args.out)
+    except CheckpointError as err:
         raise UsageError(str(err)) from err
+    print(f"consolidated {args.checkpoint} -> {path}")
     return 0
 
 
-def run_import_hf(args: argparse.Namespace) -> int:
-    from birkhoff.interop.hf import import_hf
+def run_hf(args: argparse.Namespace) -> int:
+    """`import-hf` / `export-hf` (birkhoff.interop.commands); errors exit with code 2."""
+    from birkhoff.interop.commands import RUNS
 
-    options = {"num_streams": args.streams, "mtp_depth": args.mtp_depth,
-               "max_seq_len": args.max_seq_len}  # fmt: skip
-    return run_hf(args, lambda: import_hf(args.source, args.out, **options))
-
-
-def run_export_hf(args: argparse.Namespace) -> int:
-    from birkhoff.interop.hf import export_hf
-
-    return run_hf(args, lambda: export_hf(args.source, args.out, drop_mtp=args.drop_mtp))
+    try:
+        print(RUNS[args.command](args))
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    return 0
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -367,10 +346,15 @@ SUBCOMMANDS: dict[
         add_run_arguments,
         run_run,
     ),
+    "consolidate": (
+        "write a sharded checkpoint as one safetensors checkpoint",
+        add_consolidate_arguments,
+        run_consolidate,
+    ),
     "import-hf": ("HuggingFace Llama-family checkpoint -> birkhoff checkpoint",
-                  add_import_hf_arguments, run_import_hf),
+                  add_import_hf_arguments, run_hf),
     "export-hf": ("S = 1 birkhoff checkpoint -> HuggingFace checkpoint",
-                  add_export_hf_arguments, run_export_hf),
+                  add_export_hf_arguments, run_hf),
 }  # fmt: skip
 
 
@@ -391,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Leave torchrun's process group, if this process joined one."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -85,7 +85,6 @@ def test_from_model_names_missing_and_mis_shaped_trainer_tensors(model: Transfor
         ([[1, 16]], SamplingParams(2), "token id 16 outside"),
         ([[1, -1]], SamplingParams(2), "token id -1 outside"),
         ([], SamplingParams(2), "non-empty list"),
-        ([[1]] * 65, SamplingParams(2), "max_batch_size=64"),
         ([[1]], SamplingParams(2, stop_token_ids=(16,)), "stop_token_ids"),
         ([[1]], SamplingParams(2, num_speculative_tokens=5), "num_speculative_tokens=5"),
         ([[1], [2]], [SamplingParams(2)], "1 SamplingParams for 2 prompts"),

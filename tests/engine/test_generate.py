@@ -8,6 +8,7 @@ from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Generation
+from birkhoff.engine.graphs import Steps
 from birkhoff.model import Transformer
 
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0]]
@@ -93,13 +94,14 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
     ref = chained_reference(trained_model, K)
     engine = Engine.from_model(trained_model, dtype=torch.float64, max_batch_size=8)
     params = [SamplingParams(40, temperature=1.0, num_speculative_tokens=K)] * len(RAGGED)
+    cache, drafter = engine.main_cache(), engine.drafter_state()
     run = Generation(
-        cfg=engine.cfg, weights=engine.weights, cache=engine.main_cache(),
-        drafter=engine.drafter_state(), rope=engine.rope, prompts=RAGGED, params=params,
-        max_seq_len=engine.max_seq_len, generator=torch.Generator().manual_seed(0),
+        cfg=engine.cfg, steps=Steps(engine.cfg, engine.weights, cache, drafter), cache=cache,
+        drafter=drafter, rope=engine.rope, prompts=RAGGED, params=params,
+        max_seq_len=engine.max_seq_len, seed=0,
     )  # fmt: skip
     with torch.inference_mode():
-        run.prefill()
+        run.admit()
         for _ in range(4):
             run.speculative_step(list(range(len(RAGGED))))
         rows = list(range(len(RAGGED)))
@@ -107,9 +109,7 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
     assert 0 < run.stats.num_emitted - run.stats.num_steps < K * run.stats.num_steps  # mixed
     for i in rows:
         n = run.n[i]
-        seq = run.tokens_BN[
-            i, : n + K
-        ].tolist()  # accepted tokens, pending t_n, drafts d_1..d_{K-1}
+        seq = run.tokens_BN[i, : n + K].tolist()  # accepted, pending t_n, drafts d_1..d_{K-1}
         ids = torch.tensor([seq])
         with torch.no_grad():
             heads = ref.mtp_hidden(ref.decoder(ids).multistream, ids)

@@ -22,6 +22,13 @@ ALPHA = 1e-3
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0], [3, 5, 8, 13]]
 
 
+def uniforms(gen: torch.Generator, A: int, J: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acceptance uniforms [A,J], next-token uniforms [A]) as the engine passes them."""
+    return torch.rand(A, J, generator=gen, dtype=torch.float64), torch.rand(
+        A, generator=gen, dtype=torch.float64
+    )
+
+
 def test_accept_drafts_first_token_is_distributed_as_p() -> None:
     gen = torch.Generator().manual_seed(0)
     V, A = 5, 100_000
@@ -30,13 +37,14 @@ def test_accept_drafts_first_token_is_distributed_as_p() -> None:
     p_ATV = p_V.expand(A, 2, V).clone()
     q_AJV = q_V.expand(A, 1, V).clone()
     drafts_AJ = torch.multinomial(q_V, A, replacement=True, generator=gen)[:, None]
-    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, gen)
+    u_AJ, u_A = uniforms(gen, A, 1)
+    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, u_AJ, u_A)
     first_A = torch.where(num_acc_A > 0, drafts_AJ[:, 0], next_A)
     assert chi_square_pvalue(torch.bincount(first_A, minlength=V), p_V) > ALPHA
     # acceptance probability is sum_x min(p(x), q(x)) = 0.6
     assert abs(num_acc_A.double().mean().item() - 0.6) < 0.01
     # the same rule with the roles swapped is wrong, and the test sees it
-    _, wrong_A = accept_drafts(q_AJV.expand(A, 2, V), p_ATV[:, :1], drafts_AJ, gen)
+    _, wrong_A = accept_drafts(q_AJV.expand(A, 2, V), p_ATV[:, :1], drafts_AJ, *uniforms(gen, A, 1))
     wrong_first = torch.where(num_acc_A > 0, drafts_AJ[:, 0], wrong_A)
     assert chi_square_pvalue(torch.bincount(wrong_first, minlength=V), p_V) < ALPHA
 
@@ -47,7 +55,7 @@ def test_accept_drafts_one_hot_is_argmax_agreement() -> None:
     p_ATV = eye[torch.tensor([[1, 2, 3], [1, 0, 3], [2, 2, 2]])]  # target argmax per position
     drafts_AJ = torch.tensor([[1, 2], [1, 2], [0, 2]])
     q_AJV = eye[drafts_AJ]
-    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, gen)
+    num_acc_A, next_A = accept_drafts(p_ATV, q_AJV, drafts_AJ, *uniforms(gen, 3, 2))
     assert num_acc_A.tolist() == [2, 1, 0]
     assert next_A.tolist() == [3, 0, 2]  # bonus; first mismatch -> target argmax
 

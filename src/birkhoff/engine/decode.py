@@ -1,7 +1,14 @@
-"""One generate call: prefill, then plain or speculative decode steps until every row is done.
+"""One generate call: prefill, then plain or speculative decode steps until every request is done.
 
-Legend: A active rows, B batch rows, T tokens of a chunk, N cache positions, J drafts per step,
-S streams, D model dim, V vocab.
+Legend: R requests, B cache rows, N cache positions, A active rows, T tokens of a chunk,
+J drafts per step, S streams, D model dim, V vocab.
+
+Continuous batching (scheduler.py): requests take free cache rows in call order; before every
+step, rows freed by finished requests are refilled with waiting requests (their prefill runs,
+then they join the decode steps), so a call takes any number of prompts. All randomness comes
+from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
+other requests share its batch. Steps run eagerly or as CUDA graphs (graphs.py). Plain decode
+runs one step ahead of the host (`run_plain`): the device never waits for host bookkeeping.
 
 Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
 not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
@@ -12,26 +19,24 @@ from accepted tokens only. A speculative step:
   2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
   3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
 Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
-Finished rows leave the active set, so the batch shrinks as sequences stop.
+A row taken by a new request starts from position 0 in the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Chunk, Weights, lm_head, main_forward, make_chunk, mtp_forward
+from birkhoff.engine.forward import Chunk, lm_head, main_forward, make_chunk
+from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
-from birkhoff.engine.sampling import (
-    RowSampling,
-    SamplingParams,
-    sample,
-    sampling_probs,
-    target_logprobs,
-)
+from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, RequestRandom
+from birkhoff.engine.sampling import RowSampling, SamplingParams, sampling_probs, target_logprobs
+from birkhoff.engine.scheduler import Scheduler
 from birkhoff.engine.speculative import SpecStats, accept_drafts
 
 
@@ -43,35 +48,48 @@ class Completion:
     finish_reason: str  # "stop" (stop token) | "length" (max_new_tokens or max_seq_len)
 
 
+class PlainStep(NamedTuple):
+    """A queued plain step: its rows, their requests, and its results still on the device."""
+
+    rows: list[int]
+    requests: list[int]
+    next_A: Tensor
+    logp_A: Tensor
+
+
 class Generation:
-    """The state of one generate call over cache rows 0..len(prompts)-1."""
+    """The state of one generate call: requests over cache rows, steps until all are done."""
 
     def __init__(
-        self, *, cfg: ModelConfig, weights: Weights, cache: KVCache, drafter: DrafterState | None,
+        self, *, cfg: ModelConfig, steps: Steps, cache: KVCache, drafter: DrafterState | None,
         rope: tuple[Tensor, Tensor], prompts: list[list[int]], params: list[SamplingParams],
-        max_seq_len: int, generator: torch.Generator,
+        max_seq_len: int, seed: int,
     ) -> None:  # fmt: skip
-        self.cfg, self.w, self.cache, self.drafter, self.rope = cfg, weights, cache, drafter, rope
-        self.prompts, self.params, self.max_seq_len = prompts, params, max_seq_len
-        self.generator, self.device = generator, cache.k.device
-        self.sampling = RowSampling.build(params, self.device)
-        B = len(prompts)
+        self.cfg, self.steps, self.w, self.cache = cfg, steps, steps.w, cache
+        self.drafter, self.rope, self.device = drafter, rope, cache.k.device
+        self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
+        B, R = cache.k.shape[1], len(prompts)  # cache rows, requests
+        self.scheduler = Scheduler(R, B)
+        self.rng = RequestRandom(B, self.device)
+        self.row_params = [params[0]] * B  # the params of the request in each row
+        self.sampling = RowSampling.build(self.row_params, self.device)
         self.tokens_BN = torch.zeros(B, cache.capacity, dtype=torch.long, device=self.device)
-        self.n = [len(p) - 1 for p in prompts]  # prefill runs the last prompt token too
+        self.n = [0] * B  # per row: position of the pending token
         self.num_drafts = params[0].num_speculative_tokens
         self.valid = [[0] * B for _ in range(self.num_drafts)]
-        self.out_tokens: list[list[int]] = [[] for _ in range(B)]
-        self.out_logprobs: list[list[float]] = [[] for _ in range(B)]
-        self.finish: list[str | None] = [None] * B
+        self.out_tokens: list[list[int]] = [[] for _ in range(R)]
+        self.out_logprobs: list[list[float]] = [[] for _ in range(R)]
+        self.finish: list[str | None] = [None] * R
         self.stats = SpecStats(self.num_drafts)
 
     def run(self) -> list[Completion]:
-        self.prefill()
-        while active := [i for i, f in enumerate(self.finish) if f is None]:
-            if self.num_drafts:
-                self.speculative_step(active)
-            else:
-                self.plain_step(active)
+        if self.num_drafts:
+            while not self.scheduler.done:
+                self.admit()  # refill rows freed by the last step
+                if rows := self.scheduler.active_rows:
+                    self.speculative_step(rows)
+        else:
+            self.run_plain()
         return [
             Completion(toks, lps, -1, reason or "length")
             for toks, lps, reason in zip(
@@ -79,10 +97,40 @@ class Generation:
             )
         ]
 
+    def run_plain(self) -> None:
+        """Plain decode one step ahead of the host: step t+1 is queued on the device before
+        step t's tokens are read back, so the device never waits for the host's bookkeeping.
+        A plain step's positions are known in advance (n grows by one) and its input token is
+        already on the device; rows that reach their length are not queued again, and a row
+        stopped by a stop token at step t has run step t+1 in vain (its result is dropped)."""
+        pending: PlainStep | None = None
+        while not self.scheduler.done:
+            self.admit()
+            in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
+            rows = [
+                i
+                for i in self.scheduler.active_rows
+                if not self.reaches_length(i, (i, self.scheduler.request_of[i]) in in_flight)
+            ]
+            queued = self.queue_plain_step(rows) if rows else None
+            if pending is not None:
+                self.collect(pending)
+            pending = queued
+
+    def reaches_length(self, i: int, token_in_flight: bool) -> bool:
+        """Whether row i's request is done by length once its in-flight token is emitted."""
+        r = self.scheduler.request_of[i]
+        emitted = len(self.out_tokens[r]) + token_in_flight
+        p = self.params[r]
+        return emitted >= p.max_new_tokens or len(self.prompts[r]) + emitted >= self.max_seq_len
+
     def chunk(self, rows: list[int], starts: list[int], lengths: list[int]) -> Chunk:
         return make_chunk(
             rows, starts, lengths, trash=self.cache.trash, rope=self.rope, device=self.device
         )
+
+    def n_of(self, rows: list[int]) -> Tensor:
+        return torch.tensor([self.n[i] for i in rows], device=self.device)
 
     def sample_logits(
         self, logits_AV: Tensor, rows_A: Tensor, repeat: int = 1
@@ -92,55 +140,90 @@ class Generation:
         logp_AV = target_logprobs(logits_AV, rs)
         return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
 
-    def prefill(self) -> None:
-        rows = list(range(len(self.prompts)))
-        chunk = self.chunk(rows, [0] * len(rows), [n + 1 for n in self.n])
+    def admit(self) -> None:
+        """Give free rows to waiting requests and prefill them (eagerly: T is the prompt)."""
+        admitted = self.scheduler.admit()
+        if not admitted:
+            return
+        rows = [row for row, _ in admitted]
+        for row, r in admitted:
+            self.n[row] = len(self.prompts[r]) - 1  # prefill runs the last prompt token too
+            self.row_params[row] = self.params[r]
+            self.rng.assign(row, RequestRandom.request_key(self.seed, r))
+            for valid in self.valid:
+                valid[row] = 0
+        self.sampling = RowSampling.build(self.row_params, self.device)
+        chunk = self.chunk(rows, [0] * len(rows), [self.n[i] + 1 for i in rows])
         tokens_AT = torch.zeros(chunk.valid_AT.shape, dtype=torch.long)
-        for i, prompt in enumerate(self.prompts):
-            tokens_AT[i, : len(prompt)] = torch.tensor(prompt)
+        for a, (_, r) in enumerate(admitted):
+            tokens_AT[a, : len(self.prompts[r])] = torch.tensor(self.prompts[r])
         tokens_AT = tokens_AT.to(self.device)
-        self.tokens_BN[:, : tokens_AT.shape[1]] = tokens_AT
+        self.tokens_BN[chunk.rows_A, : tokens_AT.shape[1]] = tokens_AT
         ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
         if self.drafter is not None:
             self.drafter.streams.write(0, chunk.rows_A, chunk.positions_AT, ms_ATSD)
-        last_A = torch.tensor(self.n, device=self.device)
-        self.sample_next(rows, chunk.rows_A, hidden_ATD[chunk.rows_A, last_A])
+        last_A = self.n_of(rows)
+        hidden_AD = hidden_ATD[torch.arange(len(rows), device=self.device), last_A]
+        self.sample_next(rows, chunk.rows_A, lm_head(hidden_AD, self.w, self.cfg))
 
-    def plain_step(self, rows: list[int]) -> None:
+    def queue_plain_step(self, rows: list[int]) -> PlainStep:
+        """Queue one plain step of `rows` (no host sync); their positions advance by one."""
         chunk = self.chunk(rows, [self.n[i] for i in rows], [1] * len(rows))
         tokens_AT = self.tokens_BN[chunk.rows_A[:, None], chunk.positions_AT]
-        _, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
-        self.sample_next(rows, chunk.rows_A, hidden_ATD[:, 0])
+        _, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
+        next_A, logp_A = self.sample_tokens(rows, chunk.rows_A, logits_ATV[:, 0])
+        for i in rows:
+            self.n[i] += 1
+        requests = [self.scheduler.request_of[i] for i in rows]
+        return PlainStep(rows, requests, next_A, logp_A)
 
-    def sample_next(self, rows: list[int], rows_A: Tensor, hidden_AD: Tensor) -> None:
-        logp_AV, probs_AV = self.sample_logits(lm_head(hidden_AD, self.w, self.cfg), rows_A)
-        next_A = sample(probs_AV, self.generator)
-        n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
+    def collect(self, step: PlainStep) -> None:
+        """Emit a queued step's tokens (one read-back) to the requests that still own the rows."""
+        tokens, logprobs = torch.stack((step.next_A.double(), step.logp_A.double())).tolist()
+        for i, r, tok, lp in zip(step.rows, step.requests, tokens, logprobs, strict=True):
+            if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
+                self.emit(i, [int(tok)], [lp], advance=False)
+
+    def sample_tokens(
+        self, rows: list[int], rows_A: Tensor, logits_AV: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(next token [A], its logprob [A]) at each row's position n + 1, written to tokens."""
+        logp_AV, probs_AV = self.sample_logits(logits_AV, rows_A)
+        n_A = self.n_of(rows)
+        next_A = self.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
         self.tokens_BN[rows_A, n_A + 1] = next_A
-        logp_A = logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+        return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+
+    def sample_next(self, rows: list[int], rows_A: Tensor, logits_AV: Tensor) -> None:
+        next_A, logp_A = self.sample_tokens(rows, rows_A, logits_AV)
         for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
             self.emit(i, [tok], [lp])
 
-    def emit(self, i: int, tokens: list[int], logprobs: list[float]) -> None:
-        """Append tokens to row i until a stop token, max_new_tokens or max_seq_len."""
-        p, out = self.params[i], self.out_tokens[i]
+    def emit(self, i: int, tokens: list[int], logprobs: list[float], advance: bool = True) -> None:
+        """Append tokens to row i's request until a stop token, max_new_tokens or max_seq_len;
+        a finished request frees its row. `advance`: move n past the tokens (queued plain steps
+        moved it already)."""
+        r = self.scheduler.request_of[i]
+        p, out = self.params[r], self.out_tokens[r]
         for tok, lp in zip(tokens, logprobs, strict=True):
             out.append(tok)
-            self.out_logprobs[i].append(lp)
+            self.out_logprobs[r].append(lp)
             if tok in p.stop_token_ids:
-                self.finish[i] = "stop"
+                self.finish[r] = "stop"
             elif (
-                len(out) >= p.max_new_tokens or len(self.prompts[i]) + len(out) >= self.max_seq_len
+                len(out) >= p.max_new_tokens or len(self.prompts[r]) + len(out) >= self.max_seq_len
             ):
-                self.finish[i] = "length"
-            if self.finish[i] is not None:
+                self.finish[r] = "length"
+            if self.finish[r] is not None:
+                self.scheduler.release(i)
                 return
-        self.n[i] += len(tokens)
+        if advance:
+            self.n[i] += len(tokens)
 
     def draft(self, rows: list[int], rows_A: Tensor) -> tuple[Tensor, Tensor]:
         """(drafts [A,J], their distributions q [A,J,V]) from the MTP depths at position n-1."""
         assert self.drafter is not None
-        n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
+        n_A = self.n_of(rows)
         drafts, qs = [], []
         for k in range(1, self.num_drafts + 1):
             starts = [self.valid[k - 1][i] for i in rows]
@@ -151,17 +234,12 @@ class Generation:
             token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
             tokens_AT = self.tokens_BN[rows_A[:, None], token_pos_AT]
             h_prev_ATSD = self.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
-            h_ATSD, head_ATD = mtp_forward(
-                self.w, self.cfg, k - 1, self.drafter.cache, h_prev_ATSD, tokens_AT, chunk
-            )
+            last_A = n_A - 1 - torch.tensor(starts, device=self.device)
+            h_ATSD, logits_AV = self.steps.draft(k - 1, rows, chunk, h_prev_ATSD, tokens_AT, last_A)
             if k < self.num_drafts:
                 self.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
-            last_A = n_A - 1 - torch.tensor(starts, device=self.device)
-            logits_AV = lm_head(
-                head_ATD[torch.arange(len(rows), device=self.device), last_A], self.w, self.cfg
-            )
             _, q_AV = self.sample_logits(logits_AV, rows_A)
-            draft_A = sample(q_AV, self.generator)
+            draft_A = self.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
             self.tokens_BN[rows_A, n_A + k] = draft_A
             drafts.append(draft_A)
             qs.append(q_AV)
@@ -176,13 +254,16 @@ class Generation:
         assert self.drafter is not None
         chunk = self.chunk(rows, [self.n[i] for i in rows], [J + 1] * len(rows))
         tokens_AT = self.tokens_BN[rows_A[:, None], chunk.positions_AT]
-        ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
+        ms_ATSD, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
         self.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
         A, T, V = len(rows), J + 1, self.cfg.vocab_size
-        logits_AV = lm_head(hidden_ATD, self.w, self.cfg).reshape(A * T, V)  # A*T rows
+        logits_AV = logits_ATV.reshape(A * T, V)  # A*T rows
         logp_AV, p_AV = self.sample_logits(logits_AV, rows_A, repeat=T)
-        num_acc_A, next_A = accept_drafts(p_AV.view(A, T, V), q_AJV, drafts_AJ, self.generator)
-        n_A = torch.tensor([self.n[i] for i in rows], device=self.device)
+        n_A = self.n_of(rows)
+        tags_J = ACCEPT + torch.arange(1, J + 1, device=self.device)
+        u_AJ = self.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
+        u_A = self.rng.uniform(rows_A, n_A, SAMPLE)
+        num_acc_A, next_A = accept_drafts(p_AV.view(A, T, V), q_AJV, drafts_AJ, u_AJ, u_A)
         self.tokens_BN[rows_A, n_A + 1 + num_acc_A] = next_A
         emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
         emitted_AT[torch.arange(A, device=self.device), num_acc_A] = next_A

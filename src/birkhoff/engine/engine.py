@@ -13,11 +13,16 @@ generated with.
 
 Caches are allocated once, at the engine's maximum batch size and sequence length, on the first
 generate call that needs them (the drafter's caches on the first speculative call), and reused.
-Left out: continuous batching (a call runs to completion), paged KV, CUDA graphs, tensor parallel.
+A call takes any number of prompts: `max_batch_size` rows decode at once and a finished row is
+refilled with the next waiting prompt (continuous batching, scheduler.py).
+`cuda_graphs` (default: on for CUDA) replays decode, verify and draft steps from CUDA graphs
+(graphs.py); the eager path is the reference and the only one on CPU.
+Left out: paged KV, tensor parallel.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -26,6 +31,7 @@ from torch import Tensor
 from birkhoff.config import ModelConfig, check
 from birkhoff.engine.decode import Completion, Generation
 from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
+from birkhoff.engine.graphs import GraphPool, GraphSteps, Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
 from birkhoff.engine.layout import (
     Quantize,
@@ -34,6 +40,7 @@ from birkhoff.engine.layout import (
     engine_parts,
     trainer_tensors,
 )
+from birkhoff.engine.rng import MAX_DRAFTS
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
 from birkhoff.model.layers import rope_tables
@@ -50,6 +57,7 @@ class Engine:
         max_batch_size: int = 64,
         max_seq_len: int | None = None,
         max_speculative_tokens: int = 4,
+        cuda_graphs: bool | None = None,
     ) -> None:
         check(quantize in (None, "fp8"), "quantize", quantize, "None | 'fp8'")
         check(
@@ -59,7 +67,12 @@ class Engine:
         seq = cfg.max_seq_len if max_seq_len is None else max_seq_len
         check(seq >= 2, "max_seq_len", seq, "must be >= 2")
         spec = max_speculative_tokens
-        check(spec >= 0, "max_speculative_tokens", spec, "must be >= 0")
+        check(
+            0 <= spec <= MAX_DRAFTS, "max_speculative_tokens", spec, f"must be in [0, {MAX_DRAFTS}]"
+        )
+        graphs = torch.device(device).type == "cuda" if cuda_graphs is None else cuda_graphs
+        check(not graphs or torch.device(device).type == "cuda", "cuda_graphs", cuda_graphs,
+              "needs a CUDA device")  # fmt: skip
         self.cfg, self.device, self.dtype, self.quantize = (
             cfg,
             torch.device(device),
@@ -81,6 +94,7 @@ class Engine:
         self._cache: KVCache | None = None
         self._drafter: DrafterState | None = None
         self.last_stats: SpecStats | None = None
+        self.graphs = GraphPool(max_batch_size, self.capacity, self.rope) if graphs else None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs: object) -> Engine:
@@ -113,22 +127,24 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Completion]:
-        """Complete every prompt; `params` is one SamplingParams or one per prompt."""
+        """Complete every prompt (any number of them; completions in prompt order); `params` is
+        one SamplingParams or one per prompt. With a seed, completion i is a function of
+        (weights, prompt i, params i, seed, i) only, whatever else shares its batch."""
         per_row = self.check_request(prompts, params)
         weights, version = self.weights, self.weight_version
         num_drafts = per_row[0].num_speculative_tokens
         seed = per_row[0].seed
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
         with torch.inference_mode():
+            cache, drafter = self.main_cache(), self.drafter_state() if num_drafts else None
+            steps = (
+                Steps(self.cfg, weights, cache, drafter)
+                if self.graphs is None
+                else GraphSteps(self.cfg, weights, cache, drafter, self.graphs)
+            )
             run = Generation(
-                cfg=self.cfg, weights=weights, cache=self.main_cache(),
-                drafter=self.drafter_state() if num_drafts else None, rope=self.rope,
-                prompts=[list(p) for p in prompts], params=per_row,
-                max_seq_len=self.max_seq_len, generator=generator,
+                cfg=self.cfg, steps=steps, cache=cache, drafter=drafter, rope=self.rope,
+                prompts=[list(p) for p in prompts], params=per_row, max_seq_len=self.max_seq_len,
+                seed=secrets.randbits(63) if seed is None else seed,
             )  # fmt: skip
             completions = run.run()
         self.last_stats = run.stats if num_drafts else None
@@ -165,8 +181,6 @@ class Engine:
             raise ValueError("engine has no weights loaded (use Engine.from_model or refit)")
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of token lists, got {prompts!r}")
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"{len(prompts)} prompts > max_batch_size={self.max_batch_size}")
         per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_row) != len(prompts):
             raise ValueError(f"got {len(per_row)} SamplingParams for {len(prompts)} prompts")

@@ -66,16 +66,24 @@ def make_chunk(
     assert min(lengths) >= 1 and min(starts) >= 0, (starts, lengths)
     T, limit = max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
     assert limit < trash, f"chunk reaches position {limit - 1}, cache trash slot is {trash}"
-    rows_A = torch.tensor(rows, device=device)
     starts_A = torch.tensor(starts, device=device)
     offsets_T = torch.arange(T, device=device)
     valid_AT = offsets_T[None, :] < torch.tensor(lengths, device=device)[:, None]
     positions_AT = torch.where(valid_AT, starts_A[:, None] + offsets_T, trash)
-    keys_N = torch.arange(limit, device=device)
-    mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
     prefix = len(rows) if rows == list(range(len(rows))) else None
+    rows_A = torch.tensor(rows, device=device)
+    return chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=rope, limit=limit)
+
+
+def chunk_at(
+    rows_A: Tensor, prefix_rows: int | None, positions_AT: Tensor, valid_AT: Tensor, *,
+    rope: tuple[Tensor, Tensor], limit: int,
+) -> Chunk:  # fmt: skip
+    """Chunk from device tensors only (no host sync: usable inside a CUDA graph capture)."""
+    keys_N = torch.arange(limit, device=positions_AT.device)
+    mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
     cos, sin = rope[0][positions_AT], rope[1][positions_AT]
-    return Chunk(rows_A, prefix, positions_AT, valid_AT, cos, sin, mask_A1TN, limit)
+    return Chunk(rows_A, prefix_rows, positions_AT, valid_AT, cos, sin, mask_A1TN, limit)
 
 
 def read_cache(cache: KVCache, layer: int, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -191,3 +199,24 @@ def mtp_forward(
     )  # fmt: skip
     x_ATSD = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk)
     return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)
+
+
+# --- steps: the units the engine runs eagerly or replays as CUDA graphs (engine/graphs.py) ---
+
+
+def decode_step(
+    w: Weights, cfg: ModelConfig, cache: KVCache, tokens_AT: Tensor, chunk: Chunk
+) -> tuple[Tensor, Tensor]:
+    """(multistream [A,T,S,D], logits [A,T,V]) of a plain (T = 1) or verify (T = J+1) step."""
+    ms_ATSD, hidden_ATD = main_forward(w, cfg, cache, tokens_AT, chunk)
+    return ms_ATSD, lm_head(hidden_ATD, w, cfg)
+
+
+def draft_step(
+    w: Weights, cfg: ModelConfig, depth: int, cache: KVCache, h_prev_ATSD: Tensor,
+    tokens_AT: Tensor, chunk: Chunk, last_A: Tensor,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(h_depth [A,T,S,D], logits [A,V] at chunk offset last_A) of one MTP depth."""
+    h_ATSD, head_ATD = mtp_forward(w, cfg, depth, cache, h_prev_ATSD, tokens_AT, chunk)
+    head_AD = head_ATD[torch.arange(len(last_A), device=last_A.device), last_A]
+    return h_ATSD, lm_head(head_AD, w, cfg)

@@ -1,9 +1,10 @@
-"""The one matmul of the engine: `linear(x, weights, name)`.
+"""The one matmul of the engine: `linear(x, weights, name, bias=None)`.
 
 Every projection reads its weight from the engine's weight dict by name, so replacing the dict
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
-fp8 and is dequantized to the activation dtype first. Left out (v1): torch._scaled_mm on GPU and
-caching the dequantized weights between calls.
+fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
+`fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
+first. Left out: caching the dequantized weights between calls.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None) -> Tensor:
-    """x @ W^T (+ b) with W = weights[name] (dequantized if it has a block scale) and
-    b = weights[bias] when a bias name is given (biases are never quantized)."""
+    """x @ W^T (+ b) with W = weights[name] (block fp8 if it has a scale: fp8 matmul or
+    dequantized) and b = weights[bias] when a bias name is given (biases are never quantized)."""
     w = weights[name]
+    b = None if bias is None else weights[bias]
     scale_inv = weights.get(name + SCALE_SUFFIX)
-    if scale_inv is not None:
-        w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype)
-    return F.linear(x, w, None if bias is None else weights[bias])
+    if scale_inv is None:
+        return F.linear(x, w, b)
+    if fp8_matmul.supported(x):
+        out = fp8_matmul.fp8_linear(x, w, scale_inv)
+        return out if b is None else out + b
+    return F.linear(x, dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype), b)

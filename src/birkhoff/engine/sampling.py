@@ -126,8 +126,3 @@ def sampling_probs(logp_AV: Tensor, greedy_A: Tensor) -> Tensor:
     """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
     one_hot_AV = F.one_hot(logp_AV.argmax(dim=-1), logp_AV.shape[-1]).to(logp_AV.dtype)
     return torch.where(greedy_A[:, None], one_hot_AV, logp_AV.exp())
-
-
-def sample(probs_AV: Tensor, generator: torch.Generator) -> Tensor:
-    """One token per row from (unnormalised, non-negative) `probs_AV`."""
-    return torch.multinomial(probs_AV, 1, generator=generator).squeeze(-1)

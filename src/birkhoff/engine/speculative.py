@@ -22,21 +22,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from birkhoff.engine.sampling import sample
+from birkhoff.engine.rng import sample_inverse_cdf
 
 
 def accept_drafts(
-    p_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, generator: torch.Generator
+    p_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, u_AJ: Tensor, u_A: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(number of accepted drafts [A], the next token [A]) by exact rejection sampling.
 
     p_ATV: target probabilities at the T = J+1 verified positions;
-    q_AJV: draft probabilities; drafts_AJ: the drafted tokens (sampled from q).
+    q_AJV: draft probabilities; drafts_AJ: the drafted tokens (sampled from q);
+    u_AJ: uniforms of the acceptance tests; u_A: the uniform that samples the next token.
     """
     A, J = drafts_AJ.shape
     p_draft_AJ = p_ATV[:, :J].gather(-1, drafts_AJ[..., None]).squeeze(-1)
     q_draft_AJ = q_AJV.gather(-1, drafts_AJ[..., None]).squeeze(-1)
-    u_AJ = torch.rand(A, J, generator=generator, device=p_ATV.device, dtype=p_ATV.dtype)
     ok_AJ = u_AJ * q_draft_AJ < p_draft_AJ  # u < p/q without dividing; q(x) > 0 as x ~ q
     num_accepted_A = ok_AJ.long().cumprod(dim=1).sum(dim=1)
     rows_A = torch.arange(A, device=p_ATV.device)
@@ -47,7 +47,7 @@ def accept_drafts(
     # rounding can empty the residual where p ~ q (then rejection had ~zero probability)
     empty_A1 = residual_AV.sum(dim=-1, keepdim=True) <= 0
     residual_AV = torch.where(empty_A1, p_next_AV, residual_AV)
-    return num_accepted_A, sample(residual_AV, generator)
+    return num_accepted_A, sample_inverse_cdf(residual_AV, u_A)
 
 
 @dataclass(slots=True)

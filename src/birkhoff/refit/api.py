@@ -7,6 +7,10 @@ up by name (and their shapes checked) on every call; the transport lends the buc
 into the bucket) and the transport sends it; the session checks the whole update once and
 commits atomically. Everything after `begin` runs under one try: any exception aborts the
 session, so the engine never commits a partial update.
+
+A model sharded with FSDP2 refits through the same path: its sources are DTensors, which
+`refit.sharded.gathered` turns into full tensors one bucket at a time (every rank of the shard
+group calls `refit` with its own engine, colocated).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from birkhoff.engine.layout import is_matmul_weight
 from birkhoff.refit.bucket import MIN_BUCKET_BYTES
 from birkhoff.refit.pack import fill, manifest_key, refit_layout
 from birkhoff.refit.session import RefitReport
+from birkhoff.refit.sharded import GatheredSources, gathered
 from birkhoff.refit.transport import InProcessTransport, Transport
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -68,9 +73,11 @@ def refit(
             raise ValueError(f"quantize={quantize!r} but the engine serves quantize={served!r}")
         layout = refit_layout(cfg, manifest_key(manifest), bucket_bytes)
         with torch.no_grad():
-            sources = layout.sources(model)
+            sources = gathered(layout.sources(model))
             for bucket in fill(transport.bank(layout), sources, device=transport.device):
                 transport.send(bucket)
+                if isinstance(sources, GatheredSources):
+                    sources.release()  # keep at most one bucket's gathered tensors
         return transport.finish(check_finite=check_finite)
     except BaseException:
         transport.abort()  # idempotent: a no-op once finish() has ended the session

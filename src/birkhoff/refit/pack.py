@@ -21,7 +21,7 @@ bucket, are made whole in a temporary first and copied in byte chunks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +175,7 @@ class Bank:
 
 
 def fill(
-    bank: Bank, sources: list[Tensor], *, device: torch.device
+    bank: Bank, sources: Sequence[Tensor], *, device: torch.device
 ) -> Iterator[Bucket]:  # fmt: skip
     """Write every bucket of `bank` from `sources` (in layout order) and yield it once written."""
     layout = bank.layout
@@ -184,7 +184,7 @@ def fill(
         views, buffer = bank.views[index], bank.buffers[index]
         for codes, scales, name in planned.quantize:
             lo, hi = layout.spans[name]
-            quantize_parts(sources[lo:hi], device, out=(views[codes], views[scales]))  # type: ignore[arg-type]
+            quantize_parts(list(sources[lo:hi]), device, out=(views[codes], views[scales]))  # type: ignore[arg-type]
         dsts, srcs = bank.dsts[index], [sources[j] for j in planned.copies]
         if planned.from_temporary:
             dsts = list(dsts)
@@ -203,11 +203,11 @@ def fill(
 
 
 def _whole(
-    layout: RefitLayout, sources: list[Tensor], name: str, device: torch.device
+    layout: RefitLayout, sources: Sequence[Tensor], name: str, device: torch.device
 ) -> tuple[Tensor, ...]:
     """An engine tensor made whole: fp8 (codes, scales), else the cast concatenation."""
     lo, hi = layout.spans[name]
-    parts = sources[lo:hi]
+    parts = list(sources[lo:hi])
     if layout.dtypes[name] == FP8_DTYPE:
         return quantize_parts(parts, device)
     cat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

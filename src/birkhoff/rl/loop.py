@@ -16,6 +16,13 @@ Determinism: every random choice is a pure function of (seed, step): problems co
 the weights, optimizer state and step restored from a checkpoint, a resumed run therefore repeats
 the uninterrupted one exactly (on CPU). Checkpoints are atomic (birkhoff.train.checkpoint);
 metrics.jsonl is truncated to the checkpoint's step on resume.
+
+Over N ranks (launched by torchrun, birkhoff.train.distributed) the model is sharded with FSDP2
+after the rank's engine is built from it, each rank rolls out its share of the step's prompts
+(whole groups) on its own engine with its own sampling seed, trains on that share with losses
+normalised over the global batch, and refits its engine from the shards. Rank 0 writes
+metrics.jsonl; rewards, acceptance and seconds are reduced over ranks (rl/reduce.py).
+Checkpoints are sharded (birkhoff.train.dcp) and resume on any number of ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.engine import Engine
+from birkhoff.model.mtp import shift_targets
 from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
@@ -38,6 +46,7 @@ from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss, token_logprobs
+from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.tasks.problems import (
     Problem,
@@ -49,7 +58,18 @@ from birkhoff.tasks.problems import (
     step_rng,
 )
 from birkhoff.tokenizer import CharTokenizer, Tokenizer
-from birkhoff.train.checkpoint import load_checkpoint, save_checkpoint
+from birkhoff.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from birkhoff.train.dcp import is_sharded_checkpoint, load_sharded, save_sharded
+from birkhoff.train.distributed import (
+    check_world_size,
+    current,
+    global_share,
+    global_sum,
+    reduce_floats,
+    shard_model,
+    take,
+    world_size,
+)
 from birkhoff.train.loop import supervised_steps
 from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
@@ -58,6 +78,7 @@ from birkhoff.train.recompute import build_model
 from birkhoff.train.step import LossFn, Metrics, train_step
 
 CHECKPOINT_DIR = "checkpoint"
+SEED_STRIDE = 1 << 20  # rank r samples with seed + r * SEED_STRIDE (rank 0: the plain seed)
 REFERENCE_DIR = "reference"  # frozen policy at the start of GRPO (only with a KL weight)
 
 
@@ -75,17 +96,26 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
             with torch.no_grad():
                 ref_logits_BTV = reference(batch.input_ids).logits[:, :-1]
             ref_logp_BT = token_logprobs(ref_logits_BTV / cfg.temperature, tokens_BT)
+        mask_BT, num_ranks = batch.completion_mask, world_size()
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],
             batch.advantages,
-            batch.completion_mask[:, 1:],
+            mask_BT[:, 1:],
             cfg.loss,
             ref_logp_BT=ref_logp_BT,
+            num_tokens=global_sum(mask_BT[:, 1:].sum()) if num_ranks > 1 else None,
         )
-        mtp_loss = torch.stack(out.mtp_losses).mean() if out.mtp_losses else policy_loss * 0
+        mtp_losses = out.mtp_losses
+        if num_ranks > 1:  # each depth's share of its global token mean
+            counts = [shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum()
+                      for k in range(1, len(mtp_losses) + 1)]  # fmt: skip
+            mtp_losses = [global_share(x, n) for x, n in zip(mtp_losses, counts, strict=True)]
+        mtp_loss = torch.stack(mtp_losses).mean() if mtp_losses else policy_loss * 0
         result: Metrics = dict(metrics)
-        result.update(policy_loss=policy_loss.detach(), mtp_loss=mtp_loss.detach())
+        # shares times the world size: train_step's mean over ranks is then the global value
+        result.update(policy_loss=policy_loss.detach() * num_ranks,
+                      mtp_loss=mtp_loss.detach() * num_ranks)  # fmt: skip
         return policy_loss + cfg.mtp_loss_weight * mtp_loss, result
 
     return loss_fn
@@ -108,6 +138,11 @@ class GRPORun:
         if not isinstance(preset.rl, RLConfig):
             raise ValueError(f"preset {preset.name!r} has no RL config (preset.rl is None)")
         self.preset, self.rl, self.device = preset, preset.rl, torch.device(device)
+        self.dist = current()
+        check_world_size(self.dist.world_size, self.rl.num_prompts, "num_prompts")
+        if self.dist.enabled and self.rl.loss.kl_weight > 0:
+            raise ValueError(f"kl_weight={self.rl.loss.kl_weight}: the KL reference is not "
+                             "supported under torchrun; use kl_weight=0")  # fmt: skip
         self.out = Path(out_dir)
         self.tokenizer: Tokenizer = CharTokenizer() if tokenizer is None else tokenizer
         self.task: Task = get_task(preset.task, **preset.task_options) if task is None else task
@@ -115,11 +150,13 @@ class GRPORun:
         self.model = build_model(preset.model, preset.train, device=self.device)
         if init is not None:
             load_checkpoint(init, model=self.model)
-        self.optimizer = build_optimizer(self.model, preset.train)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
-        self.engine = self.build_engine()
+        self.engine = self.build_engine()  # from the whole model, before any sharding
+        if self.dist.enabled:
+            shard_model(self.model, device_type=self.device.type, amp_dtype=preset.train.amp_dtype)
+        self.optimizer = build_optimizer(self.model, preset.train)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         if eval_problems is None:
             held_out = held_out_rng(preset.train.seed)
@@ -158,26 +195,27 @@ class GRPORun:
         if rl.loss.kl_weight > 0 and self.reference is None:
             self.reference = self.freeze_reference()
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
-        ro = rollout(self.engine, problems, self.task, self.tokenizer, rl,
-                     seed=sampling_seed(seed, self.step))  # fmt: skip
+        ro = rollout(self.engine, take(problems, self.dist), self.task, self.tokenizer, rl,
+                     seed=self.rank_seed(sampling_seed(seed, self.step)))  # fmt: skip
         adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
         batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
         report = self.refit()
+        timings = {"train_s": train_s, "refit_s": report.seconds, **memory_metrics(self.device)}
+        slowest = reduce_floats(timings, "max", self.device)  # every rank refits the same bytes
+        slowest["refit_gb_s"] = report.bytes / max(slowest["refit_s"], 1e-9) / 1e9
         return {
             "phase": "grpo",
             "step": self.step,
-            "reward": float(ro.rewards_NG.mean()),
-            "reward_std": float(ro.rewards_NG.std(correction=0)),
-            **{f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)},
+            **rollout_metrics(ro, self.device),
             **metrics,
-            "generate_s": ro.seconds,
-            "train_s": train_s,
-            "refit_s": report.seconds,
-            "refit_gb_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
+            **slowest,
             "weight_version": report.version,
-            **memory_metrics(self.device),
         }
+
+    def rank_seed(self, seed: int) -> int:
+        """This rank's sampling seed: `seed` itself on rank 0 (and in one process)."""
+        return seed + self.dist.rank * SEED_STRIDE
 
     def update(self, batch: RLBatch) -> tuple[dict[str, float], float]:
         """`updates_per_step` optimizer steps on one rollout batch; (last metrics, seconds)."""
@@ -217,20 +255,22 @@ class GRPORun:
         """
         if not self.eval_problems:
             return {}
-        args = (self.engine, self.eval_problems, self.task, self.tokenizer, self.rl)
-        greedy = rollout(*args, seed=0, greedy=True)
-        sampled = rollout(*args, seed=0)
-        out = {
-            "eval_reward": float(greedy.rewards_NG.mean()),
-            "eval_sampled_reward": float(sampled.rewards_NG.mean()),
-        }
-        out.update({f"eval_accept_{j + 1}": a for j, a in enumerate(greedy.acceptance)})
+        problems = take(self.eval_problems, self.dist)  # each rank evaluates its share
+        args = (self.engine, problems, self.task, self.tokenizer, self.rl)
+        greedy = rollout_metrics(rollout(*args, seed=self.rank_seed(0), greedy=True), self.device)
+        sampled = rollout_metrics(rollout(*args, seed=self.rank_seed(0)), self.device)
+        out = {"eval_reward": greedy["reward"], "eval_sampled_reward": sampled["reward"]}
+        out.update({f"eval_{k}": v for k, v in greedy.items() if k.startswith("accept_")})
         return out
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
         extra = {"engine_version": self.engine.weight_version, "preset": self.preset.name}
+        if self.dist.enabled:
+            save_sharded(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step,
+                         extra=extra)  # fmt: skip
+            return
         save_checkpoint(
             self.out / CHECKPOINT_DIR,
             self.model,
@@ -246,21 +286,31 @@ class GRPORun:
         return reference
 
     def resume(self) -> None:
-        """Restore model, optimizer and step from the run's checkpoint; truncate the metrics."""
-        loaded = load_checkpoint(
-            self.out / CHECKPOINT_DIR,
-            model=self.model,
-            optimizer=self.optimizer,
-            restore_rng=True,
-        )
-        if loaded.extra.get("preset") != self.preset.name:
-            raise ValueError(
-                f"checkpoint preset {loaded.extra.get('preset')!r} != {self.preset.name!r}"
-            )
-        self.step = loaded.step
-        self.engine = self.build_engine()
-        self.engine.weight_version = int(loaded.extra["engine_version"])
-        self.log.truncate_after(self.step)
+        """Restore model, optimizer and step from the run's checkpoint; truncate the metrics.
+
+        Under torchrun the checkpoint is sharded (any number of ranks may resume it) and the
+        engine is refit from the restored shards; in one process it is the safetensors format.
+        """
+        path = self.out / CHECKPOINT_DIR
+        if is_sharded_checkpoint(path) != self.dist.enabled:
+            kind = "sharded (torchrun)" if self.dist.enabled else "single-process"
+            raise CheckpointError(f"{path}: this run needs a {kind} checkpoint; resume a sharded "
+                                  "one under torchrun, or consolidate it first")  # fmt: skip
+        if self.dist.enabled:
+            step, extra = load_sharded(path, self.model, self.optimizer, restore_rng=True)[1:3]
+        else:
+            step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                          restore_rng=True)[2:4]  # fmt: skip
+        if extra.get("preset") != self.preset.name:
+            raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
+        self.step = step
+        if self.dist.enabled:
+            self.refit()
+        else:
+            self.engine = self.build_engine()
+        self.engine.weight_version = int(extra["engine_version"])
+        if self.dist.is_main:
+            self.log.truncate_after(self.step)
         if (self.out / REFERENCE_DIR).is_dir() and self.rl.loss.kl_weight > 0:
             reference = Transformer(self.preset.model).to(self.device)
             load_checkpoint(self.out / REFERENCE_DIR, model=reference)
@@ -277,7 +327,7 @@ class GRPORun:
         stop = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
         rows: list[dict[str, Any]] = []
         with Progress(total=self.total_steps, initial=self.step, desc=self.preset.name,
-                      enabled=progress) as bar:  # fmt: skip
+                      enabled=progress and self.dist.is_main) as bar:  # fmt: skip
             for row in self.warmup_rows(stop):
                 rows += self.finish_step(row, bar, stop_after)
             while self.step < stop:
@@ -298,7 +348,8 @@ class GRPORun:
         ):
             rows.append({"phase": "eval", "step": self.step, **self.evaluate_generated()})
         for r in rows:
-            self.log.append(r)
+            if self.dist.is_main:
+                self.log.append(r)
         bar.update(self.log.postfix())
         if self.should_checkpoint() or self.step == stop_after:
             self.save()

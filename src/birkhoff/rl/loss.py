@@ -7,6 +7,8 @@ Legend: B completions, T completion tokens.
           (+ beta * KL_t to a frozen reference, the k3 estimator exp(d) - d - 1, d = ref - logp)
 The mean is over all completion tokens of the batch (token-level, not per sequence), so long
 and short completions weigh each token equally. The count is clamped to >= 1 (no 0/0).
+Over several ranks the loss divides by `num_tokens`, the count of the whole global batch, so the
+ranks' losses sum to the single-process loss; the metrics stay means over the rank's tokens.
 `logp_rollout` comes from the engine that sampled the tokens (the behaviour policy), so the
 ratio also corrects the engine/trainer numeric mismatch and any staleness within the bound.
 """
@@ -47,20 +49,27 @@ def grpo_loss(
     mask_BT: Tensor,
     cfg: GRPOLossConfig,
     ref_logp_BT: Tensor | None = None,
+    *,
+    num_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss and detached metrics (clip fraction, mean ratio, KL)."""
+    """Scalar loss and detached metrics (clip fraction, mean ratio, KL).
+
+    `num_tokens`: the loss's normaliser (default: the masked tokens of this batch).
+    """
     mask = mask_BT.to(logp_BT.dtype)
     count = mask.sum().clamp(min=1.0)
+    loss_count = count if num_tokens is None else num_tokens.to(mask.dtype).clamp(min=1.0)
     ratio_BT = torch.exp(logp_BT - rollout_logp_BT)
     adv_BT = advantages_B.to(logp_BT.dtype)[:, None]
     clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
-    loss = -(surrogate_BT * mask).sum() / count
+    loss = -(surrogate_BT * mask).sum() / loss_count
     kl = torch.zeros((), dtype=logp_BT.dtype, device=logp_BT.device)
     if ref_logp_BT is not None:
         d_BT = ref_logp_BT - logp_BT
-        kl = ((torch.exp(d_BT) - d_BT - 1.0) * mask).sum() / count
-        loss = loss + cfg.kl_weight * kl
+        kl_sum = ((torch.exp(d_BT) - d_BT - 1.0) * mask).sum()
+        kl = kl_sum / count
+        loss = loss + cfg.kl_weight * (kl_sum / loss_count)
     with torch.no_grad():
         was_clipped = (ratio_BT != clipped_BT).to(mask.dtype)
         metrics = {

@@ -11,7 +11,6 @@ update. Token positions follow the label convention of model/mtp.py: `completion
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -64,19 +63,13 @@ class RLBatch(NamedTuple):
 def generate_batched(
     engine: Engine, prompts: list[list[int]], params: SamplingParams
 ) -> tuple[list[Completion], list[int], int]:
-    """engine.generate over chunks of max_batch_size; (completions, accepted_at, verify steps)."""
-    completions: list[Completion] = []
-    accepted_at, num_steps = [0] * params.num_speculative_tokens, 0
-    size = engine.max_batch_size
-    for i, start in enumerate(range(0, len(prompts), size)):
-        seed = None if params.seed is None else params.seed + i
-        chunk_params = dataclasses.replace(params, seed=seed)
-        completions += engine.generate(prompts[start : start + size], chunk_params)
-        if engine.last_stats is not None:
-            stats = engine.last_stats
-            num_steps += stats.num_steps
-            accepted_at = [a + b for a, b in zip(accepted_at, stats.accepted_at, strict=True)]
-    return completions, accepted_at, num_steps
+    """One engine.generate over all prompts (continuous batching fills max_batch_size rows);
+    (completions, accepted_at, verify steps)."""
+    completions = engine.generate(prompts, params)
+    stats = engine.last_stats
+    if stats is None:
+        return completions, [0] * params.num_speculative_tokens, 0
+    return completions, list(stats.accepted_at), stats.num_steps
 
 
 def rollout(

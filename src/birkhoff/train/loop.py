@@ -10,7 +10,10 @@ Design choices:
   problems, no generation; a sequence counts when the argmax at every answer position is right,
   which is exactly greedy decoding's exact match. The GRPO run's `evaluate_generated` generates
   with the engine instead.
-- The final checkpoint goes to `out_dir/checkpoint` (atomic, see checkpoint.py).
+- The final checkpoint goes to `out_dir/checkpoint` (atomic, see checkpoint.py; sharded, see
+  dcp.py, when launched by torchrun).
+- Under torchrun (birkhoff.train.distributed) the model is sharded with FSDP2 and every rank
+  trains on its contiguous share of the rows of the step's global batch; rank 0 writes the log.
 Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
 """
 
@@ -30,6 +33,15 @@ from birkhoff.tasks.problems import Problem, Task, get_task, held_out_rng, sampl
 from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.checkpoint import save_checkpoint
 from birkhoff.train.config import TrainConfig
+from birkhoff.train.dcp import save_sharded
+from birkhoff.train.distributed import (
+    check_world_size,
+    current,
+    rank_share,
+    reduce_floats,
+    shard_model,
+    take_rows,
+)
 from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.progress import Progress
@@ -56,15 +68,17 @@ def supervised_steps(
     steps: range,
 ) -> Iterator[dict[str, Any]]:
     """Run the supervised steps `steps`, yielding each one's metrics row (phase "sft")."""
-    device = model_device(model)
+    device, ctx = model_device(model), current()
+    rows = rank_share(cfg.batch_size, ctx.rank, ctx.world_size)
     for step in steps:
         reset_peak_memory(device)
         batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
-                               step=step).to(device)  # fmt: skip
+                               step=step)  # fmt: skip
+        batch = (take_rows(batch, rows) if ctx.world_size > 1 else batch).to(device)
         start = time.perf_counter()
         metrics = train_step(model, optimizer, batch, cfg, step=step)
-        row = {"phase": "sft", "step": step, **metrics, "train_s": time.perf_counter() - start}
-        yield row | memory_metrics(device)
+        timings = {"train_s": time.perf_counter() - start, **memory_metrics(device)}
+        yield {"phase": "sft", "step": step, **metrics, **reduce_floats(timings, "max", device)}
 
 
 @torch.no_grad()
@@ -82,30 +96,34 @@ def run_training(
     preset: Preset, out_dir: Path, *, device: torch.device, progress: bool = True
 ) -> TrainSummary:
     """Train `preset` on its task; write metrics.jsonl and checkpoint/ under `out_dir`."""
-    cfg = preset.train
+    cfg, ctx = preset.train, current()
+    check_world_size(ctx.world_size, cfg.batch_size, "batch_size")
     tokenizer, task = CharTokenizer(), get_task(preset.task, **preset.task_options)
     torch.manual_seed(cfg.seed)
     model = build_model(preset.model, cfg, device=device)
+    if ctx.enabled:
+        shard_model(model, device_type=device.type, amp_dtype=cfg.amp_dtype)
     optimizer = build_optimizer(model, cfg)
     held_out = sample_problems(task, held_out_rng(cfg.seed), NUM_EVAL_PROBLEMS)
     eval_before = teacher_forced_accuracy(model, held_out, tokenizer)
-    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if ctx.is_main:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     log, history, start = MetricsLog(out_dir / "metrics.jsonl"), [], time.perf_counter()
     rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
-    with Progress(total=cfg.num_steps, desc=f"train {preset.name}", enabled=progress) as bar:
+    enabled = progress and ctx.is_main
+    with Progress(total=cfg.num_steps, desc=f"train {preset.name}", enabled=enabled) as bar:
         for row in rows:
             history.append(row)
             step = row["step"]
-            if step % cfg.log_every == 0 or step == cfg.num_steps - 1:
+            if ctx.is_main and (step % cfg.log_every == 0 or step == cfg.num_steps - 1):
                 log.append(row | {"elapsed_s": round(time.perf_counter() - start, 3)})
             bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
                         if k in row})  # fmt: skip
     eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
     extra = {"preset": preset.name, "task": preset.task, "task_options": preset.task_options,
              "seed": cfg.seed, "eval_exact_match": eval_after}  # fmt: skip
-    path = save_checkpoint(
-        out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=extra
-    )
+    save = save_sharded if ctx.enabled else save_checkpoint
+    path = save(out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=extra)
     return TrainSummary(history, eval_before, eval_after, path)
 
 

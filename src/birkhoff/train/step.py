@@ -16,7 +16,13 @@ Design choices:
   step k reproduces the same schedule.
 - A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
   changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
-Left out: gradient accumulation, loss scaling (bf16 needs none), distributed data parallel.
+- Data parallel (FSDP2, birkhoff.train.distributed): the loss function returns this rank's
+  share of the global token mean, FSDP2 averages gradients over ranks, so the loss is
+  backpropagated times the world size; the reported `loss` is the sum of the shares (the global
+  loss) and every other metric the mean of the ranks' values (token-mean losses are reported
+  as share x world size, so that mean is the global figure; accuracies are rank means). In
+  one process nothing changes.
+Left out: gradient accumulation, loss scaling (bf16 needs none).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from birkhoff.model.mtp import shift_targets
+from birkhoff.config import ModelConfig
+from birkhoff.model.mtp import combine_losses, shift_targets
 from birkhoff.recompute import track_saved_storages
 from birkhoff.train.config import TrainConfig
+from birkhoff.train.distributed import global_share, global_sum, reduce_floats, world_size
 from birkhoff.train.optim import lr_at, set_lr
 
 Metrics = dict[str, float | Tensor]
@@ -75,7 +83,10 @@ def answer_accuracy(
 
 
 def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
-    """L_main + lambda/M sum_k L_k on a SupervisedBatch (labels = input ids, answer mask)."""
+    """L_main + lambda/M sum_k L_k on a SupervisedBatch (labels = input ids, answer mask).
+
+    Over several ranks each term is this rank's share of the global token mean (global_share).
+    """
     out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.loss_mask)
     metrics: Metrics = {"main_loss": out.main_loss.detach()}
     for k, mtp_loss in enumerate(out.mtp_losses, start=1):
@@ -84,7 +95,22 @@ def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
         metrics["mtp_loss"] = torch.stack(out.mtp_losses).detach().mean()
     token_acc, seq_acc = answer_accuracy(out.logits, batch.input_ids, batch.loss_mask)
     metrics["token_acc"], metrics["seq_acc"] = token_acc, seq_acc
-    return out.loss, metrics
+    if world_size() == 1:
+        return out.loss, metrics
+    mask_BT, num_ranks = batch.loss_mask.bool(), world_size()
+    main, *mtp = (
+        global_share(loss, shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum())
+        for k, loss in enumerate([out.main_loss, *out.mtp_losses])
+    )
+    # shares times the world size: train_step's mean over ranks is then the global token mean
+    metrics["main_loss"] = main.detach() * num_ranks
+    for k, share in enumerate(mtp, start=1):
+        metrics[f"mtp_loss_{k}"] = share.detach() * num_ranks
+    if mtp:
+        metrics["mtp_loss"] = torch.stack(mtp).detach().mean() * num_ranks
+    cfg = model.cfg
+    assert isinstance(cfg, ModelConfig), "the supervised loss needs a model carrying .cfg"
+    return combine_losses(main, mtp, cfg.mtp_loss_weight), metrics
 
 
 def train_step(
@@ -109,15 +135,19 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     with forward_context(model, cfg):
         loss, metrics = (loss_fn or supervised_loss)(model, batch)
-    loss.backward()
+    num_ranks = world_size()
+    (loss * num_ranks if num_ranks > 1 else loss).backward()  # FSDP2 averages over ranks
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor when the gradients are FSDP2 shards
+        grad_norm = grad_norm.full_tensor()
     applied = bool(torch.isfinite(grad_norm))
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    result = {"loss": float(loss.detach())}
-    result.update({name: float(value) for name, value in metrics.items()})
+    floats = {name: float(value) for name, value in metrics.items()}
+    result = {"loss": float(global_sum(loss.detach()))}
+    result.update(reduce_floats(floats, "mean", loss.device))
     result.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if applied else 1.0)
     return result

@@ -1,0 +1,112 @@
+"""Per-request random numbers: counter-based uniforms keyed by (seed, request, position, draw).
+
+Legend: N rows (one per draw), V vocab.
+
+Why counter-based: with continuous batching a request shares the batch with whichever requests
+happen to be active, and a stateful generator would hand it different numbers depending on its
+neighbours and slot. Here every random number a request consumes is a pure function of
+`(seed, request index, token position, draw tag)`, hashed on the device with splitmix64 (the
+request's random 64-bit key XOR a counter, then one splitmix64 output mix), so a
+request's tokens depend only on its own prompt, parameters, seed and index in the call — never on
+batch composition, slot or `max_batch_size` (up to floating-point differences of the logits
+themselves, which on GPU may depend on the batch size the kernels see).
+
+Draws are keyed by the position n of the step's pending token (the last token not yet run
+through the main model), which strictly grows from one step of a request to the next, and a tag
+that is distinct within a step: SAMPLE for the token sampled from the main model (the next token
+of a plain step, the corrected or bonus token of a verify step), DRAFT + k for the draft of MTP
+depth k, ACCEPT + j for the acceptance test of draft j. So no two draws of a request share a key.
+
+Sampling from a distribution is inverse-CDF: one uniform u per row, the token is the first index
+whose cumulative mass exceeds u * total (exact; zero-mass tokens are never chosen).
+int64 arithmetic wraps modulo 2^64 on every torch backend, which splitmix64 needs; logical right
+shifts are arithmetic shifts followed by a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SAMPLE = 0  # draw tags within a step
+DRAFT = 0  # DRAFT + k for the draft of depth k = 1..MAX_DRAFTS
+ACCEPT = 32  # ACCEPT + j for the acceptance test of draft j = 1..MAX_DRAFTS
+MAX_DRAFTS = 31
+_TAGS = 64  # tags per position
+_M64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 value with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: Tensor) -> Tensor:
+    """The splitmix64 output function of an int64 state (bitwise as on uint64)."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def splitmix64_reference(x: int) -> int:
+    """Pure-Python splitmix64 on uint64 (the test reference of `splitmix64`)."""
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+class RequestRandom:
+    """Uniforms for rows that belong to requests with their own keys.
+
+    `keys_R` holds one int64 key per cache row (set when a request takes the row);
+    `uniform(rows, positions, tags)` returns fp64 uniforms in [0, 1), one per element of the
+    broadcast of its three arguments.
+    """
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.keys_R = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.device = device
+
+    @staticmethod
+    def request_key(seed: int, request: int) -> int:
+        """The key of request `request` of a call seeded with `seed` (as int64 bits)."""
+        state = splitmix64_reference(seed & _M64)
+        return _signed(splitmix64_reference(state ^ request))
+
+    def assign(self, row: int, key: int) -> None:
+        self.keys_R[row] = key
+
+    def uniform(self, rows: Tensor, positions: Tensor, tags: int | Tensor) -> Tensor:
+        assert isinstance(tags, Tensor) or 0 <= tags < _TAGS, tags
+        counter = positions.long() * _TAGS + tags
+        bits = splitmix64(self.keys_R[rows] ^ counter)  # keys are random: one mix suffices
+        return _shr(bits, 11).double() * 2.0**-53  # 53 random bits -> [0, 1) exactly
+
+    def sample(self, probs_NV: Tensor, rows_N: Tensor, positions_N: Tensor, tag: int) -> Tensor:
+        """One token per row from (unnormalised, non-negative) `probs_NV`."""
+        return sample_inverse_cdf(probs_NV, self.uniform(rows_N, positions_N, tag))
+
+
+def sample_inverse_cdf(probs_NV: Tensor, u_N: Tensor) -> Tensor:
+    """The first index whose cumulative mass exceeds u * total: exact sampling from probs.
+
+    u * total can round up to total; the clamp to the first index reaching the total (the last
+    token with mass) keeps zero-mass tokens out in that case too.
+    """
+    cdf_NV = probs_NV.double().cumsum(dim=-1)
+    total_N1 = cdf_NV[:, -1:].contiguous()
+    index_N1 = torch.searchsorted(cdf_NV, u_N[:, None] * total_N1, right=True)
+    last_N1 = torch.searchsorted(cdf_NV, total_N1, right=False)
+    return torch.minimum(index_N1, last_N1).squeeze(-1)

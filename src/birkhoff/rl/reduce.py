@@ -1,0 +1,41 @@
+"""Rollout figures of a step over every rank: reward, its spread and MTP acceptance.
+
+Legend: N prompts, G group size.
+
+In one process they are the rollout's own figures (mean reward, population std, accepted drafts
+per verify step). Over several ranks each rank generated its share of the prompts; the sums
+(reward, squared reward, count, accepted drafts per position, verify steps) are all-reduced in
+one float64 tensor and the same figures are formed from them, so they describe the global batch.
+Seconds are the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from birkhoff.rl.rollout import Rollout
+from birkhoff.train.distributed import world_size
+
+
+def rollout_metrics(ro: Rollout, device: torch.device) -> dict[str, float]:
+    """{"reward", "reward_std", "accept_<j>", "generate_s"} of the global batch."""
+    if world_size() == 1:
+        out = {"reward": float(ro.rewards_NG.mean()),
+               "reward_std": float(ro.rewards_NG.std(correction=0))}  # fmt: skip
+        out.update({f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)})
+        return out | {"generate_s": ro.seconds}
+    rewards_NG = ro.rewards_NG.double()
+    sums = [float(rewards_NG.sum()), float((rewards_NG**2).sum()), float(rewards_NG.numel()),
+            float(ro.num_verify_steps)]  # fmt: skip
+    t = torch.tensor(sums + [float(a) for a in ro.accepted_at], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    seconds = torch.tensor([ro.seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    total, squares, count, steps, *accepted = t.tolist()
+    mean = total / max(count, 1.0)
+    out = {"reward": mean, "reward_std": math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0))}
+    out.update({f"accept_{j + 1}": a / max(steps, 1.0) for j, a in enumerate(accepted)})
+    return out | {"generate_s": float(seconds.item())}

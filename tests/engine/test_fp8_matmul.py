@@ -1,0 +1,107 @@
+"""fp8 matmul computed in fp8: the Triton kernel against its fp32 reference and the
+dequantizing CPU path (Triton interpreter on CPU, the compiled kernel on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import tiny_config
+
+from birkhoff.engine import Engine, SamplingParams, fp8_matmul
+from birkhoff.engine.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from birkhoff.engine.fp8_matmul import (
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_activation,
+    quantize_activation_cuda,
+)
+from birkhoff.model import Transformer
+
+SHAPES = [(3, 200, 130), (20, 256, 64), (1, 96, 40), (70, 384, 256)]  # N rows, X in, Y out
+
+
+def check_kernel(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> None:
+    """fp8_linear == the fp32 reference of its formula (to accumulation order), and within the
+    activation's e4m3 rounding of the dequantizing path."""
+    gen = torch.Generator().manual_seed(0)
+    for N, X, Y in shapes:
+        x = torch.randn(N, X, generator=gen).to(device, dtype)
+        q, scale_inv = quantize_fp8_blockwise((0.1 * torch.randn(Y, X, generator=gen)).to(device))
+        y = fp8_linear(x, q, scale_inv)
+        assert y.shape == (N, Y) and y.dtype == dtype
+        ref = fp8_linear_reference(x.float(), q, scale_inv)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        dense = x.float() @ dequantize_fp8_blockwise(q, scale_inv).t()
+        assert (y.float() - dense).abs().max() <= 0.1 * dense.abs().max()
+        assert not torch.equal(y.float(), dense)  # the activation really went through e4m3
+
+
+INTERPRETED = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_fp8_matmul import check_kernel
+from birkhoff.engine import fp8_matmul
+assert fp8_matmul.supported(torch.zeros(1))
+check_kernel("cpu", torch.float32, [(3, 200, 130), (1, 96, 40)])
+print("ok")
+"""
+
+
+def test_kernel_in_the_triton_interpreter() -> None:
+    """The kernel runs on CPU only in the interpreter, which must be on before Triton compiles
+    anything: a fresh interpreter process."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    code = INTERPRETED.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_activation_quantization_reference() -> None:
+    x_NX = torch.tensor([[1.0, -2.0, 0.5] + [0.0] * 130, [0.0] * 133])
+    q_NX, scale_NG = quantize_activation(x_NX)
+    assert q_NX.shape == (2, 133) and scale_NG.shape == (2, 2)
+    assert scale_NG[0, 0] == 2.0 / 448 and q_NX[0, 1].float() == -448.0
+    assert torch.equal(q_NX[1].float(), torch.zeros(133))  # all-zero groups stay zero
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)",
+)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_gpu(dtype: torch.dtype) -> None:
+    check_kernel("cuda", dtype, SHAPES)
+    x = torch.randn(37, 300, device="cuda")
+    for got, want in zip(quantize_activation_cuda(x), quantize_activation(x), strict=True):
+        assert torch.equal(got.float(), want.float())  # bit-identical codes and scales
+
+
+@pytest.mark.gpu
+@hopper
+def test_fp8_engine_on_gpu_close_to_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8 engine on the GPU (fp8 matmuls, CUDA graphs) vs the same weights dequantized."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dim=256, num_heads=4, num_kv_heads=2)).cuda().eval()
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=4)
+    fp8 = Engine.from_model(model, quantize="fp8", **kw)  # type: ignore[arg-type]
+    ref = Engine.from_model(model, quantize="fp8", cuda_graphs=False, **kw)  # type: ignore[arg-type]
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(6, temperature=1.0, seed=0)
+    out = fp8.generate(prompts, params)
+    monkeypatch.setattr(fp8_matmul, "supported", lambda x: False)  # the dequantizing path
+    ref_out = ref.generate(prompts, params)
+    assert all(len(c.tokens) == 6 for c in out)
+    drift = max(abs(a - b) for c, r in zip(out, ref_out, strict=True)
+                for a, b in zip(c.logprobs, r.logprobs, strict=True))  # fmt: skip
+    assert drift < 0.1

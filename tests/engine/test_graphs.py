@@ -1,0 +1,171 @@
+"""CUDA-graph steps: identical greedy tokens to the eager path, and refit safety.
+
+The refit test runs on every device: generate, refit to other weights (several times, so the
+refit's alternating buffer banks are reused), generate again, and compare with a fresh engine.
+On CUDA it runs with graphs, whose captured weight addresses must follow every commit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from engine_helpers import tiny_config
+
+from birkhoff.engine import Engine, SamplingParams
+from birkhoff.engine.graphs import GraphPool, Outputs, bucket
+from birkhoff.model import Transformer
+from birkhoff.refit.api import refit
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0], [3, 5, 8, 13], [2, 9]]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_buckets() -> None:
+    assert [bucket(n, 48) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+    assert bucket(3, 100, smallest=32) == 32 and bucket(40, 50, smallest=32) == 50
+
+
+def test_cuda_graphs_need_cuda() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Engine(tiny_config(), cuda_graphs=True)
+    assert Engine(tiny_config()).graphs is None  # off by default on CPU
+
+
+class ReplayedGraph:
+    """A CPU stand-in for a captured graph: replay reruns the step, which writes its outputs
+    into the same static buffers a CUDA graph writes."""
+
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class EmulatedPool(GraphPool):
+    """GraphPool whose capture is emulated: the bucketing, padding rows, static buffers, length
+    buckets and output gathers of the graph path run on CPU exactly as on CUDA."""
+
+    def capture(self, fn: Callable[[], Outputs]) -> tuple[object, Outputs]:
+        fn()  # the warm-up run, as on CUDA
+        self.num_captured += 1
+        return ReplayedGraph(fn), fn()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int) -> None:
+    """fp64, more prompts than rows, mixed lengths: every step goes through bucketed static
+    shapes (rows padded to a power of two, keys to a length bucket) and gives eager's tokens."""
+    model = copy.deepcopy(trained_model).double()
+    eager = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed.graphs = EmulatedPool(4, graphed.capacity, graphed.rope)
+    params = [  # later requests are shorter: the batch drains from its last rows
+        SamplingParams(36 - 6 * i, temperature=float(i % 2), seed=4, num_speculative_tokens=k)
+        for i in range(len(PROMPTS))
+    ]
+    out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    torch.testing.assert_close(
+        [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-10
+    )
+    keys = {key for graphs in graphed.graphs.sets.values() for key in graphs}
+    assert len({A for _, _, A, _ in keys}) >= 2 and len({N for *_, N in keys}) >= 2
+    if k:
+        assert any(depth >= 0 for depth, *_ in keys)  # draft steps went through graphs too
+
+
+def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
+    """Emulated graphs over refits whose tensors live in the two alternating buffer banks: a
+    graph set is reused when a commit puts new weights at its captured addresses, and every
+    generate equals a fresh engine's."""
+    models = [copy.deepcopy(trained_model)] + [perturbed(trained_model, s) for s in (1, 2, 3)]
+    engine = Engine.from_model(models[0], max_batch_size=4)
+    engine.graphs = EmulatedPool(4, engine.capacity, engine.rope)
+    params = mixed_params(2)
+    sets_seen = []
+    for model in models[1:] * 2:
+        refit(model, engine, bucket_bytes=1 << 20)  # no tensor spans buckets: served from banks
+        out = engine.generate(PROMPTS, params)
+        ref = Engine.from_model(model, max_batch_size=4).generate(PROMPTS, params)
+        assert [c.tokens for c in out] == [c.tokens for c in ref]
+        sets_seen.append(next(reversed(engine.graphs.sets)))
+    assert len(set(sets_seen)) == 2  # two banks, two graph sets, each reused with new weights
+    captured = engine.graphs.num_captured
+    refit(models[1], engine, bucket_bytes=1 << 20)
+    engine.generate(PROMPTS, params)
+    assert engine.graphs.num_captured == captured  # a later refit captures nothing new
+
+
+def perturbed(model: Transformer, seed: int) -> Transformer:
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen).to(p))
+    return other
+
+
+def mixed_params(k: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(4 + 3 * i, temperature=float(i % 2), seed=1, num_speculative_tokens=k)
+        for i in range(len(PROMPTS))
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refit_then_generate_equals_a_fresh_engine(trained_model: Transformer, device: str) -> None:
+    models = [copy.deepcopy(trained_model)] + [perturbed(trained_model, s) for s in (1, 2)]
+    models = [m.to(device) for m in models]
+    engine = Engine.from_model(models[0], device=device, max_batch_size=4)
+    for k in (0, 2):
+        refit(models[0], engine, bucket_bytes=1 << 12)
+        before = engine.generate(PROMPTS, mixed_params(k))
+        for step, model in enumerate([models[1], models[2], models[1], models[2]]):
+            refit(model, engine, bucket_bytes=1 << 12)
+            out = engine.generate(PROMPTS, mixed_params(k))
+            fresh = Engine.from_model(model, device=device, max_batch_size=4, cuda_graphs=False)
+            ref = fresh.generate(PROMPTS, mixed_params(k))
+            assert [c.tokens for c in out] == [c.tokens for c in ref], (k, step)
+            torch.testing.assert_close(
+                [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-4
+            )
+            assert {c.weight_version for c in out} == {engine.weight_version}
+        assert [c.tokens for c in before] != [c.tokens for c in out]
+    if engine.graphs is not None:
+        assert engine.graphs.num_captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize(
+    ("dtype", "streams"),
+    [(torch.float32, 1), (torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 2)],
+)
+def test_graph_steps_give_the_eager_greedy_tokens(
+    trained_model: Transformer, dtype: torch.dtype, k: int, streams: int
+) -> None:
+    """Identical greedy tokens (bf16: on the trained model, whose argmax margins are wide;
+    graphs attend over a length bucket and pad rows to a batch bucket, so the kernels may round
+    differently), logprobs close, more prompts than rows; a second call only replays."""
+    torch.manual_seed(0)
+    model = trained_model if streams == 2 else Transformer(tiny_config(num_streams=streams))
+    model = copy.deepcopy(model).cuda()
+    kwargs = dict(device="cuda", dtype=dtype, max_batch_size=4)
+    graphed = Engine.from_model(model, cuda_graphs=True, **kwargs)  # type: ignore[arg-type]
+    eager = Engine.from_model(model, cuda_graphs=False, **kwargs)  # type: ignore[arg-type]
+    params = [SamplingParams(6 + 5 * i, num_speculative_tokens=k) for i in range(len(PROMPTS))]
+    out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    atol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(
+        [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=atol
+    )
+    assert graphed.graphs is not None and graphed.graphs.num_captured > 0
+    captured = graphed.graphs.num_captured
+    assert [c.tokens for c in graphed.generate(PROMPTS, params)] == [c.tokens for c in ref]
+    assert graphed.graphs.num_captured == captured  # the second call only replays
