@@ -7,8 +7,9 @@ hyper-connection sublayer with F = identity) the fused and the eager path are ti
 forward + backward (median of --repeats after warm-up). "GB/s" is the op's compulsory traffic
 (every [B,T,S,D] / [B,T,D] tensor read or written once, the small coefficient tensors included)
 divided by the time; it is set against a device-to-device copy (read + write) measured in the
-same run. The coefficient backward also runs g_phi = g_raw^T x as a cuBLAS fp32 matmul (a second
-read of x and an fp32 cast), which its figure does not count.
+same run. The coefficient backward reads x a second time (for g_x and g_phi after the Sinkhorn
+backward), which its figure does not count. The sublayer runs as HyperConnection does: the
+coefficients and the mix in as one op, then mix out. Launch parameters: see mhc_sweep.py.
 
   python benchmarks/mhc_kernels.py --device cuda                  # h200-small shape, bf16
   python benchmarks/mhc_kernels.py --device cuda --dtype fp32
@@ -74,9 +75,11 @@ def op_table(inp: dict[str, Tensor], iters: int) -> dict[str, Callable[[str], li
             x, inp["phi"], inp["alpha"], inp["bias"], iters=iters, norm_eps=1e-6, kernels=k
         ))  # fmt: skip
 
-    def sublayer(k: str) -> list[Tensor]:
-        pre, post, res = coefficients(k)
-        return [hyper.mix_out(x, hyper.mix_in(x, pre, kernels=k), post, res, kernels=k)]
+    def sublayer(k: str) -> list[Tensor]:  # as HyperConnection.forward runs it
+        y, _, post, res = hyper.coefficients_and_mix_in(
+            x, inp["phi"], inp["alpha"], inp["bias"], iters=iters, norm_eps=1e-6, kernels=k
+        )
+        return [hyper.mix_out(x, y, post, res, kernels=k)]
 
     def contraction(k: str) -> list[Tensor]:
         return [hyper.contract(x, inp["phi_c"], inp["alpha_c"], inp["bias_c"], norm_eps=1e-6,

@@ -27,3 +27,14 @@ def test_h200_small_is_about_120m_params():
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ValueError, match="'big'.*h200-grpo.*h200-small.*tiny-cpu"):
         get_preset("big")
+
+
+def test_h200_learn_is_the_cpu_checked_run():
+    """h200-learn is tiny-cpu's model, task and warm-up with a longer, wider GRPO phase: the
+    configuration whose dynamics docs/results.md checked on CPU."""
+    learn, tiny = get_preset("h200-learn"), get_preset("tiny-cpu")
+    assert (learn.model, learn.train, learn.task, learn.task_options) == (
+        tiny.model, tiny.train, tiny.task, tiny.task_options)  # fmt: skip
+    assert learn.rl == tiny.rl.replace(
+        num_steps=250, num_prompts=32, eval_every=25, checkpoint_every=50
+    )

@@ -1,10 +1,12 @@
 """The `birkhoff` command line: one subcommand per job, each a small (add_arguments, run) pair.
 
-Subcommands: `run`, `train`, `generate`, `consolidate`.
-- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop;
+Subcommands: `run`, `train`, `generate`, `consolidate`, `import-hf`, `export-hf`.
+- `run`: the main job, a supervised warm-up then GRPO with the engine in the loop (a preset's
+  task or a JSONL file, from a fresh model or a checkpoint: birkhoff.rl.inputs);
 - `train`: supervised training only;
-- `generate`: complete prompts with a checkpoint;
-- `consolidate`: turn a sharded (torchrun) checkpoint into the single-directory format.
+- `generate`: complete prompts with a checkpoint (its tokenizer.json when it has one);
+- `consolidate`: turn a sharded (torchrun) checkpoint into the single-directory format;
+- `import-hf` / `export-hf`: HuggingFace Llama-family checkpoints in and out (docs/interop.md).
 Benchmarks are scripts in benchmarks/, not subcommands.
 
 `run` and `train` also run data-parallel: `torchrun --nproc-per-node N -m birkhoff run ...`
@@ -27,6 +29,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from birkhoff.interop.commands import add_export_hf_arguments, add_import_hf_arguments
+from birkhoff.rl.inputs import add_input_arguments, inputs_from_args
 
 if TYPE_CHECKING:  # imported lazily at run time: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
@@ -181,7 +186,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from birkhoff.engine import Engine, SamplingParams
-    from birkhoff.tokenizer import CharTokenizer
+    from birkhoff.interop.tokenizer import checkpoint_tokenizer
+    from birkhoff.tasks.batches import text_prompt_ids
     from birkhoff.train.checkpoint import load_checkpoint
     from birkhoff.train.dcp import is_sharded_checkpoint
 
@@ -189,13 +195,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if is_sharded_checkpoint(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "
                          "consolidate --checkpoint DIR --out NEW_DIR` first")  # fmt: skip
-    tok = CharTokenizer()
     try:
+        tok = checkpoint_tokenizer(args.checkpoint)
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                stop_token_ids=(tok.eos_id,),
+                                stop_token_ids=tok.stop_ids,
                                 num_speculative_tokens=args.speculative)  # fmt: skip
-        prompts = [[tok.bos_id, *tok.encode(text)] for text in args.prompt]
+        prompts = [text_prompt_ids(text, tok) for text in args.prompt]
         model = load_checkpoint(args.checkpoint).model.eval()
         engine = Engine.from_model(model, device=device, max_batch_size=len(prompts),
                                    max_speculative_tokens=max(args.speculative, 1))  # fmt: skip
@@ -226,37 +232,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
-    parser.add_argument(
-        "--stop-after",
-        type=int,
-        default=None,
-        help="stop (with a checkpoint) after this global step; --resume later",
-    )
+    add_input_arguments(parser)  # --init, --data, --verifier, --eval-data, --max-new-tokens
+    stop_help = "stop (checkpointed) after this global step; --resume later"
+    parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
     add_job_arguments(parser)
-
-
-def run_preset(args: argparse.Namespace) -> Preset:
-    """The preset with the command line's overrides; ValueError for bad values."""
-    from birkhoff.presets import get_preset
-
-    preset = get_preset(args.preset)
-    if preset.rl is None:
-        raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps}
-    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
-    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    return preset.replace(rl=rl, train=train)
 
 
 def run_run(args: argparse.Namespace) -> int:
     from birkhoff.train.checkpoint import CheckpointError
 
     try:
-        preset = run_preset(args)
+        preset, inputs = inputs_from_args(args)
     except ValueError as err:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
@@ -278,7 +264,7 @@ def run_run(args: argparse.Namespace) -> int:
     threads = args.threads or preset.num_threads
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
-    run = GRPORun(preset, out, device=device)
+    run = GRPORun(preset, out, device=device, **inputs)
     if args.resume:
         try:
             run.resume()
@@ -339,6 +325,17 @@ def run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_hf(args: argparse.Namespace) -> int:
+    """`import-hf` / `export-hf` (birkhoff.interop.commands); errors exit with code 2."""
+    from birkhoff.interop.commands import RUNS
+
+    try:
+        print(RUNS[args.command](args))
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    return 0
+
+
 # ---------------------------------------------------------------------------- entry point
 
 SUBCOMMANDS: dict[
@@ -356,7 +353,11 @@ SUBCOMMANDS: dict[
         add_consolidate_arguments,
         run_consolidate,
     ),
-}
+    "import-hf": ("HuggingFace Llama-family checkpoint -> birkhoff checkpoint",
+                  add_import_hf_arguments, run_hf),
+    "export-hf": ("S = 1 birkhoff checkpoint -> HuggingFace checkpoint",
+                  add_export_hf_arguments, run_hf),
+}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,13 +44,33 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # None: every feed-forward is a dense SwiGLU
+    # Llama-family options (HuggingFace import, docs/interop.md); defaults are the plain model.
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    attn_out_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
+    qk_norm: bool = False  # RMSNorm over the head dim of q and k, per head, before rope (Qwen3)
+    attn_head_dim: int | None = None  # None: dim // num_heads; set when a checkpoint's differs
+    rope_scaling: RopeScaling = "none"  # inverse-frequency variant, see rope_inv_freq in layers.py
+    rope_factor: float = 1.0  # context extension factor (linear, llama3, yarn)
+    rope_original_max_seq_len: int | None = None  # pre-training context (llama3, yarn)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_truncate: bool = True  # yarn: floor/ceil the correction range
+    rope_attention_factor: float = 1.0  # multiplies cos and sin (yarn's mscale)
 
     def __post_init__(self) -> None:
+        check_llama_options(self)
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
-        check(self.dim % self.num_heads == 0, "dim", self.dim, "must divide by num_heads")
-        check(self.head_dim % 2 == 0, "dim", self.dim, "dim/num_heads must be even for rope")
+        check(
+            self.attn_head_dim is not None or self.dim % self.num_heads == 0,
+            "dim",
+            self.dim,
+            "must divide by num_heads (or set attn_head_dim)",
+        )
+        check(self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim", self.head_dim, "even >= 2")
         kv = self.num_kv_heads
         check(
             kv is None or (kv >= 1 and self.num_heads % kv == 0),
@@ -73,7 +93,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        return self.dim // self.num_heads if self.attn_head_dim is None else self.attn_head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -144,3 +164,31 @@ class MoEConfig:
         if unknown:
             raise ValueError(f"MoEConfig: unknown field(s) {unknown}")
         return cls(**data)
+
+
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3", "yarn")
+
+
+def check_llama_options(cfg: ModelConfig) -> None:
+    """Validate the Llama-family option group of ModelConfig (attention extras, rope scaling)."""
+    for name in ("qkv_bias", "attn_out_bias", "qk_norm", "rope_truncate"):
+        check(isinstance(getattr(cfg, name), bool), name, getattr(cfg, name), "must be a bool")
+    hd = cfg.attn_head_dim
+    check(hd is None or (isinstance(hd, int) and hd >= 2), "attn_head_dim", hd, "int >= 2 or None")
+    scaling = cfg.rope_scaling
+    check(scaling in ROPE_SCALINGS, "rope_scaling", scaling, " | ".join(ROPE_SCALINGS))
+    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):  # fmt: skip
+        value = getattr(cfg, name)
+        check(math.isfinite(value) and value > 0, name, value, "must be finite and > 0")
+    if scaling in ("llama3", "yarn"):
+        orig = cfg.rope_original_max_seq_len
+        check(orig is not None and orig >= 1, "rope_original_max_seq_len", orig,
+              f"must be an int >= 1 with rope_scaling={scaling!r}")  # fmt: skip
+    if scaling == "llama3":
+        check(cfg.rope_high_freq_factor > cfg.rope_low_freq_factor, "rope_high_freq_factor",
+              cfg.rope_high_freq_factor, "must be > rope_low_freq_factor")  # fmt: skip
+    if scaling != "yarn":
+        check(cfg.rope_attention_factor == 1.0, "rope_attention_factor",
+              cfg.rope_attention_factor, "only rope_scaling='yarn' scales cos/sin")  # fmt: skip

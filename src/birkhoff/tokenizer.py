@@ -15,18 +15,36 @@ Left out: byte fallback, merges (BPE), uppercase; none of the built-in tasks nee
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz +-*=,:;.?>()"
 assert len(set(CHARACTERS)) == len(CHARACTERS), "one id per character"
 
 
+class Tokenizer(Protocol):
+    """What tasks, rollouts and generation use of a tokenizer (CharTokenizer, HFTokenizer)."""
+
+    pad_id: int
+    bos_id: int | None  # None: prompts start without a BOS (Qwen)
+    eos_id: int
+    stop_ids: tuple[int, ...]  # generation ends at any of these (the EOS first)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
 class CharTokenizer:
     """Character-level tokenizer: one id per character, plus pad/bos/eos special ids."""
 
     pad_id = 0
-    bos_id = 1
+    bos_id: int | None = 1
     eos_id = 2
+    stop_ids: tuple[int, ...] = (2,)
 
     characters = CHARACTERS
 

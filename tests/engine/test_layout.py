@@ -14,13 +14,15 @@ from birkhoff.model import Transformer
 FUSED = {
     "attn.wqkv.weight": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
     "mlp.w_gate_up.weight": ("mlp.w_gate.weight", "mlp.w_up.weight"),
+    "attn.wqkv.bias": ("attn.wq.bias", "attn.wk.bias", "attn.wv.bias"),
 }
 
 
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"tie_embeddings": True}, {"num_streams": 1, "mtp_depth": 0},
-     {"mtp_depth": 3, "num_kv_heads": 1}, {"num_kv_heads": 4, "mlp_hidden": 40}],
+     {"mtp_depth": 3, "num_kv_heads": 1}, {"num_kv_heads": 4, "mlp_hidden": 40},
+     {"qkv_bias": True, "attn_out_bias": True, "qk_norm": True, "attn_head_dim": 6}],
 )  # fmt: skip
 def test_engine_parts_cover_every_trainer_parameter_once(overrides: dict[str, Any]) -> None:
     cfg = tiny_config(**overrides)

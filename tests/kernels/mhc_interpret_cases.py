@@ -10,6 +10,7 @@ import torch
 from mhc_cases import CASES, Case, case_id, check_contraction, check_hyper
 from mhc_model_cases import check_safe_reclaim, check_train_step
 
+from birkhoff.kernels.mhc_configs import CONFIG, SWEEP
 from birkhoff.model import hyper
 
 pytestmark = pytest.mark.skipif(
@@ -22,12 +23,35 @@ def test_hyper_fused_matches_eager(case: Case) -> None:
     check_hyper(case, "cpu")
 
 
-def test_phi_gradient_summed_over_several_token_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 7, 10, 11)], ids=case_id)
+def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
+    check_hyper(case, "cpu", joint=True)
+
+
+def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
 
-    monkeypatch.setattr(mhc, "GPHI_TOKENS", 16)  # 34 tokens: three partial g_phi blocks
-    check_hyper(Case(S=4, B=2, T=17, iters=2), "cpu")
-    check_contraction(Case(S=2, B=2, T=17), "cpu")
+    rms = dict(mhc.CONFIG["rms_grad"], BN=16, TOKENS=16)  # 34 tokens: three partial g_phi blocks
+    monkeypatch.setitem(mhc.CONFIG, "rms_grad", rms)
+    monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
+    check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
+    check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
+    check_contraction(Case(S=2, D=40, B=2, T=17), "cpu")
+
+
+def test_bf16_streams_match_eager() -> None:
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
+    check_contraction(Case(S=4, D=40, B=2, T=9), "cpu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", sorted(SWEEP))
+def test_every_sweep_variant_matches_eager(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, entry in SWEEP[variant].items():
+        monkeypatch.setitem(CONFIG, key, entry)
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
+    check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", joint=True)
+    check_contraction(Case(S=4, D=40, B=2, T=9), "cpu")
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=case_id)
@@ -47,7 +71,7 @@ def _op_args(S: int = 4, D: int = 5, N: int = 3) -> dict[str, tuple]:
     pre, post = torch.rand(N, S, generator=g), torch.rand(N, S, generator=g)
     res = torch.rand(N, S, S, generator=g)
     return {
-        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x.view(N, S, D), phi, alpha, bias, 2, True, True, 1e-6, 1e-6),
         "mhc_mix_in": (x.view(N, S, D), pre),
         "mhc_mix_out": (x.view(N, S, D), f, post, res),
     }

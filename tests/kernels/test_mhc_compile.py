@@ -1,14 +1,19 @@
-"""Every fused mHC kernel compiles for an sm_90 (H200) target, on a machine without a GPU.
+"""Every fused mHC kernel compiles for an sm_90 (H200) target, on a machine without a GPU, with
+the launch parameters of `mhc.CONFIG`, and ptxas reports no register spills.
 
 The interpreter runs the kernels' math but skips the compiler's checks (types of names bound
-in both branches of a runtime `if`, layouts, register allocation); this compiles each kernel
-through Triton's full pipeline to a cubin for the shapes the ops launch.
+in both branches of a runtime `if`, layouts, dot precisions, register allocation); this compiles
+each kernel through Triton's full pipeline to PTX and runs ptxas -v on it.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +23,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill store + load bytes) that ptxas -v reports for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        cmd = [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(path), "-o", os.devnull]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
+    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
 def compile_for_h200(
-    fn: object, types: dict[str, str], consts: dict[str, object], num_warps: int = 4
-) -> None:
+    fn: object, types: dict[str, str], consts: dict[str, object], launch: dict[str, int]
+) -> tuple[int, int]:
+    """Compile `fn` for sm_90 with these constexprs and launch options -> ptxas_usage."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -28,36 +48,76 @@ def compile_for_h200(
     signature = {p: "constexpr" if p in consts else types[p] for p in params}
     constexprs = {(params.index(k),): v for k, v in consts.items()}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    opts = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return ptxas_usage(kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("S", [4, 8])
-def test_kernels_compile_for_sm90(S: int) -> None:
-    from birkhoff.kernels import mhc
+def split(cfg: dict[str, int | str]) -> tuple[dict[str, object], dict[str, int]]:
+    """(constexprs, launch options) of a CONFIG entry."""
+    launch = {k: int(v) for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    return {k: v for k, v in cfg.items() if k not in launch and k != "TOKENS"}, launch
+
+
+def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
+    """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG."""
+    import torch
+
+    from birkhoff.kernels import mhc, mhc_mix
+    from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
 
-    f32 = "*fp32"
-    coeff = {n: f32 for n in ("x_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr",
-                              "post_ptr", "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr",
-                              "gres_ptr", "ga_ptr", "graw_ptr", "coef_ptr")}  # fmt: skip
-    coeff |= dict(x_ptr="*bf16", N="i32", C="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
+    x = torch.empty(0, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    f32, xt = "*fp32", f"*{dtype}"
+    ptrs = ("phit_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
+            "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
+            "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr")  # fmt: skip
+    types = {n: f32 for n in ptrs} | {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr")}
+    types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
+    types |= dict(iters="i32")
+    types |= dict(norm_eps="fp32", hc_eps="fp32")
+    usage = {}
     for P in (S * S + 2 * S, S):
-        SP, PP, BN, BC = mhc._coeff_blocks(S, 768 * S, P)
-        consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S, BN=BN)
-        compile_for_h200(K.coeff_fwd, coeff, consts | dict(PP=PP, BC=BC))
-        compile_for_h200(K.coeff_bwd, coeff, consts)
-    mix = {n: "*bf16" for n in ("x_ptr", "y_ptr", "gy_ptr", "gx_ptr", "f_ptr", "gf_ptr")}
-    mix |= {n: f32 for n in ("h_ptr", "gh_ptr", "post_ptr", "res_ptr", "gpost_ptr", "gres_ptr")}
-    mix |= dict(D="i32")
-    SP, BD = mhc._mix_in_block(S, 768)
-    for kernel in (K.mix_in_fwd, K.mix_in_bwd):
-        compile_for_h200(kernel, mix, dict(S=S, SP=SP, BD=BD))
-    SP, BD = mhc._mix_out_block(S, 768)
-    for kernel in (K.mix_out_fwd, K.mix_out_bwd):
-        compile_for_h200(kernel, mix, dict(S=S, SP=SP, BD=BD))
-    rms = dict(graw_ptr=f32, phi_ptr=f32, x_ptr="*bf16", coef_ptr=f32, gx_ptr="*bf16")
-    rms |= dict(gphi_ptr=f32, N="i32", C="i32", TOKENS="i32")
-    for P in (S * S + 2 * S, S):
-        PP = max(16, 1 << (P - 1).bit_length())
-        consts = dict(P=P, PP=PP, BN=16, BC=max(16, min(128, 4096 // PP)))
-        compile_for_h200(K.rms_grad, rms, consts, num_warps=8)  # as mhc.py launches it
+        SP, PP = mhc._pads(S, P)
+        consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S)
+        const, launch = split(mhc._launch("coeff_fwd", x, S))
+        usage[f"coeff_fwd/{P}"] = compile_for_h200(
+            K.coeff_fwd, types, consts | const | dict(PP=PP), launch
+        )
+        const, launch = split(mhc._launch("coeff_bwd", x, S))
+        usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
+        const, launch = split(mhc._launch("rms_grad", x, S))
+        for mix in (True, False):
+            consts = dict(P=P, PP=PP, MIX=mix) | const
+            usage[f"rms_grad/{P}/{mix}"] = compile_for_h200(K.rms_grad, types, consts, launch)
+    const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
+    for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
+        usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
+    for write in (True, False):
+        consts = dict(S=S, WRITE_GX=write) | const
+        usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
+    return usage
+
+
+def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
+    print(usage)
+    spilled = {k: v for k, v in usage.items() if v[1]}
+    assert not spilled, f"(registers, spill bytes) per kernel: {spilled}"
+
+
+@pytest.mark.parametrize(("S", "dtype"), [(4, "bf16"), (4, "fp32"), (8, "bf16")])
+def test_kernels_compile_for_sm90_without_spills(S: int, dtype: str) -> None:
+    assert_no_spills(kernel_usage(S, dtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(__import__("birkhoff.kernels.mhc_configs",
+                         fromlist=["SWEEP"]).SWEEP))  # fmt: skip
+def test_sweep_variants_compile_for_sm90_without_spills(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from birkhoff.kernels import mhc_configs
+
+    for key, entry in mhc_configs.SWEEP[variant].items():
+        monkeypatch.setitem(mhc_configs.CONFIG, key, entry)
+    assert_no_spills(kernel_usage(4, "bf16"))

@@ -24,6 +24,12 @@ def test_hyper_fused_matches_eager(case: Case, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case, dtype: torch.dtype) -> None:
+    check_hyper(case, "cuda", dtype, joint=True)
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
 def test_contraction_fused_matches_eager(case: Case) -> None:
     check_contraction(case, "cuda")
 
@@ -61,7 +67,7 @@ def test_custom_op_registration(name: str) -> None:
 
     x = rand(N, S, D)
     args = {
-        "mhc_coefficients": (x, rand(P, S * D), rand(3), rand(P), 3, True, 1e-6, 1e-6),
+        "mhc_coefficients": (x, rand(P, S * D), rand(3), rand(P), 3, True, True, 1e-6, 1e-6),
         "mhc_mix_in": (x, rand(N, S)),
         "mhc_mix_out": (x, rand(N, D), rand(N, S), rand(N, S, S)),
     }[name]

@@ -90,7 +90,7 @@ class Engine:
         # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
         self.capacity = seq + spec + 1
         positions = torch.arange(self.capacity, device=self.device)
-        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
         self._cache: KVCache | None = None
         self._drafter: DrafterState | None = None
         self.last_stats: SpecStats | None = None

@@ -101,16 +101,25 @@ def attention(
 ) -> Tensor:  # fmt: skip
     A, T, _ = x_ATD.shape
     H, G, K = cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    # the fused projection: [A,T,H*K | G*K | G*K]
-    q, k, v = linear(x_ATD, w, prefix + "attn.wqkv.weight").split([H * K, G * K, G * K], dim=-1)
-    q_ATHK = apply_rope(q.view(A, T, H, K), chunk.cos_ATK, chunk.sin_ATK)
-    k_ATGK = apply_rope(k.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK)
+    attn = prefix + "attn."
+    # the fused projection (and bias): [A,T,H*K | G*K | G*K]
+    qkv_bias = attn + "wqkv.bias" if cfg.qkv_bias else None
+    q, k, v = linear(x_ATD, w, attn + "wqkv.weight", bias=qkv_bias).split([H * K, G * K, G * K], -1)
+    q_ATHK, k_ATGK = q.view(A, T, H, K), k.view(A, T, G, K)
+    if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
+        q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps)
+        k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps)
+    q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK)
+    k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK)
     cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
     k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
     out_AHTK = F.scaled_dot_product_attention(
         q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
     )
-    return linear(out_AHTK.transpose(1, 2).reshape(A, T, H * K), w, prefix + "attn.wo.weight")
+    out_bias = attn + "wo.bias" if cfg.attn_out_bias else None
+    return linear(
+        out_AHTK.transpose(1, 2).reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias
+    )
 
 
 def mlp(x_ATD: Tensor, w: Weights, prefix: str) -> Tensor:

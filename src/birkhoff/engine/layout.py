@@ -4,21 +4,24 @@ Legend: D model dim, H query heads, G kv heads, K head dim, F MLP hidden, V voca
 C = S*D, P = S*S+2S, E experts.
 
 The engine serves fused projections: `attn.wqkv.weight` = cat(wq, wk, wv) and
-`mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0). Every other tensor keeps
-its trainer name. An MoE feed-forward (model/moe.py) is served as the trainer stores it:
-`mlp.router.weight` [E, D] and `mlp.router_bias` [E] (both fp32 whatever the engine dtype:
-routing is a discrete choice, and bias steps of 1e-3 vanish in bf16), the stacked experts
-`mlp.experts.w_gate_up` [E, 2F, D] and `mlp.experts.w_down` [E, D, F], and the shared experts
-`mlp.shared.w_gate_up` [2F', D], `mlp.shared.w_down` [D, F'] (F' = shared experts * F). With
-tied embeddings the engine serves `embed.weight` once and uses it as the lm_head. The MTP
-drafter (`mtp.{k}.*`) is laid out exactly like the main model.
+`mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0); with `qkv_bias` the
+biases fuse the same way into `attn.wqkv.bias`. Every other tensor keeps its trainer name (the
+o bias `attn.wo.bias`, the q/k norms `attn.q_norm.weight`, `attn.k_norm.weight`). An MoE
+feed-forward (model/moe.py) is served as the trainer stores it: `mlp.router.weight` [E, D] and
+`mlp.router_bias` [E] (both fp32 whatever the engine dtype: routing is a discrete choice, and
+bias steps of 1e-3 vanish in bf16), the stacked experts `mlp.experts.w_gate_up` [E, 2F, D] and
+`mlp.experts.w_down` [E, D, F], and the shared experts `mlp.shared.w_gate_up` [2F', D],
+`mlp.shared.w_down` [D, F'] (F' = shared experts * F). With tied embeddings the engine serves
+`embed.weight` once and uses it as the lm_head. The MTP drafter (`mtp.{k}.*`) is laid out
+exactly like the main model.
 
 `engine_parts(cfg)` is the whole layout: engine name -> its trainer parts (name, shape) in
 concatenation order, computed from the ModelConfig alone (tests/engine/test_layout.py checks it
 against the trainer's parameters). The manifest adds each served tensor's dtype: with
 `quantize="fp8"` exactly the matmul weights are float8_e4m3fn plus `name + "_scale_inv"` (fp32,
-one scale per 128x128 block, per expert for a stack, engine/fp8.py); norms, embeddings (also
-when tied to the lm_head) and mHC coefficients stay in the engine dtype, router tensors in fp32.
+one scale per 128x128 block, per expert for a stack, engine/fp8.py); biases, norms, embeddings
+(also when tied to the lm_head) and mHC coefficients stay in the engine dtype, router tensors in
+fp32.
 
 `trainer_tensors` looks a model's Parameters (and buffers: the router bias) up by name, every
 time it is called, so a caller always reads the current ones (also after `p.data = t` or a
@@ -111,12 +114,28 @@ def _block(prefix: str, cfg: ModelConfig, index: int) -> list[tuple[str, Parts]]
     return [
         _one(prefix + "attn_norm.weight", D),
         (attn + "wqkv.weight", qkv),
+        *_attn_options(attn, cfg),
         _one(attn + "wo.weight", D, H * K),
         *_hyper(prefix + "hc_attn.", cfg, contraction=False),
         _one(prefix + "mlp_norm.weight", D),
         *(_moe(mlp, cfg) if is_moe_layer(cfg, index) else dense),
         *_hyper(prefix + "hc_mlp.", cfg, contraction=False),
     ]
+
+
+def _attn_options(attn: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
+    """The Llama-family attention extras: fused q/k/v bias, o bias, q/k norm weights."""
+    D, H, G, K = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    out: list[tuple[str, Parts]] = []
+    if cfg.qkv_bias:
+        parts = ((attn + "wq.bias", (H * K,)), (attn + "wk.bias", (G * K,)),
+                 (attn + "wv.bias", (G * K,)))  # fmt: skip
+        out.append((attn + "wqkv.bias", parts))
+    if cfg.attn_out_bias:
+        out.append(_one(attn + "wo.bias", D))
+    if cfg.qk_norm:
+        out += [_one(attn + "q_norm.weight", K), _one(attn + "k_norm.weight", K)]
+    return out
 
 
 @functools.cache

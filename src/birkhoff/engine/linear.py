@@ -1,4 +1,4 @@
-"""The one matmul of the engine: `linear(x, weights, name)`.
+"""The one matmul of the engine: `linear(x, weights, name, bias=None)`.
 
 Every projection reads its weight from the engine's weight dict by name, so replacing the dict
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
@@ -27,12 +27,15 @@ def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
     return w
 
 
-def linear(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
-    """x @ W^T with W = weights[name] (block fp8 if it has a scale: fp8 matmul or dequantized)."""
+def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None) -> Tensor:
+    """x @ W^T (+ b) with W = weights[name] (block fp8 if it has a scale: fp8 matmul or
+    dequantized) and b = weights[bias] when a bias name is given (biases are never quantized)."""
     w = weights[name]
+    b = None if bias is None else weights[bias]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is None:
-        return F.linear(x, w)
+        return F.linear(x, w, b)
     if fp8_matmul.supported(x):
-        return fp8_matmul.fp8_linear(x, w, scale_inv)
-    return F.linear(x, weight(weights, name, x.dtype))
+        out = fp8_matmul.fp8_linear(x, w, scale_inv)
+        return out if b is None else out + b
+    return F.linear(x, weight(weights, name, x.dtype), b)

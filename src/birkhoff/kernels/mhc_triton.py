@@ -1,21 +1,25 @@
-"""Triton kernels of the fused mHC ops: coefficients + Sinkhorn, mix in, mix out (fwd and bwd).
+"""Triton kernels of the fused mHC coefficients: RMS + projection + Sinkhorn (fwd and bwd).
 
 Legend: N tokens (B*T flattened), S streams (SP: S padded to a power of two), D model dim,
-C = S*D, P logits per token (S*S + 2S for a hyper-connection, S for the output contraction).
+C = S*D, P logits per token (S*S + 2S for a hyper-connection, S for the output contraction),
+PP: P padded to a power of two (>= 16).
 
-Every kernel works per token in fp32 registers and reads or writes each [N,S,D] tensor once:
 - `coeff_fwd`: one pass over the flattened streams gives the sum of squares -> rstd and the
-  projection raw = x @ phi^T (an fp32 dot, no TF32); logits = raw * rstd; alpha * logits + bias;
+  projection raw = x @ phi^T on tensor cores (PREC "tf32x3" for bf16/fp16 streams: three TF32
+  products, ~fp32 accurate, and bf16 values are exact in TF32; "ieee" for fp32 streams, so the
+  fp32 path equals the eager one); logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
+  phi comes transposed and zero-padded to [C, PP], so its loads are coalesced and unmasked.
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
-  scale's gradient; `rms_grad` reads x once more for g_x = g_raw @ phi + that term and for
-  g_phi = g_raw^T @ x (per-program partials, summed by the caller). The Sinkhorn
-  backward stores no intermediate: the state before normalisation k is recomputed from the
-  logits (O(t_max^2) S x S steps per token, all on chip, exact unrolled-autograd gradients).
-- `mix_in_*`: y = sum_j h[j] x_j and its backward (g_x = h g_y, g_h[j] = <g_y, x_j>).
-- `mix_out_*`: y_k = h_post[k] f + sum_j h_res[j, k] x_j and its backward
-  (g_f = sum_k h_post[k] g_y_k, g_x_j = sum_k h_res[j, k] g_y_k, g_h_post, g_h_res by <., .>).
+  scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
+  denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
+  normalisation k is the state after it times its denominators, so no state is stored and
+  nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
+  rounding).
+- `rms_grad`: reads x once more for g_x = g_raw @ phi + that term (+ the mix in's h g_y when
+  the op also mixed in, so g_x is written once) and for g_phi = g_raw^T @ x (per-program
+  partials, summed by the caller), both dots on tensor cores with PREC.
 Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
 """
 
@@ -35,11 +39,7 @@ def _softmax_rows(a, valid):
 
 @triton.jit
 def _state_before(a, valid, k, eps):
-    """Sinkhorn state entering normalisation k (k >= 1): odd k normalise columns, even rows.
-
-    The normalisations are written inline (not as helpers): the Triton interpreter pays for
-    every nested jit call, and this loop runs O(t_max^2) times in the backward.
-    """
+    """Sinkhorn state entering normalisation k (k >= 1): odd k normalise columns, even rows."""
     m = tl.where(valid, _softmax_rows(a, valid) + eps, 0.0)
     for step in range(1, k):
         if step % 2 == 1:
@@ -50,23 +50,39 @@ def _state_before(a, valid, k, eps):
 
 
 @triton.jit
-def _sinkhorn_bwd(a, g, valid, iters, eps):
-    """Gradient w.r.t. the logits a of Sinkhorn(a) given g = dL/dH_res, recomputing each state.
+def _sinkhorn_bwd(a, g, valid, iters, eps, scr_ptr, n64, n_ok, SP: tl.constexpr):
+    """Gradient w.r.t. the logits a of Sinkhorn(a) given g = dL/dH_res.
 
-    Normalisation Y = M / (s + eps), s the row (column) sums of M, has the backward
-    dL/dM = (g - sum_along(g * Y)) / (s + eps); the row softmax p has p * (g - sum(g * p)).
+    Normalisation Y = M / d, d the row (column) sums of M + eps, has the backward
+    dL/dM = (g - sum_along(g * Y)) / d, and M = Y * d recovers its input; the row softmax p has
+    p * (g - sum(g * p)). scr_ptr: [N, 2 t_max, SP] fp32 scratch for the denominators d.
     """
+    s = tl.arange(0, SP)[None, :]
+    scr = scr_ptr + n64[:, None] * (2 * iters * SP) + s
+    y = tl.where(valid, _softmax_rows(a, valid) + eps, 0.0)
+    for k in range(1, 2 * iters):  # the forward once, keeping each step's denominators
+        if k % 2 == 1:
+            col = tl.sum(y, axis=1) + eps
+            tl.store(scr + k * SP, col, mask=n_ok[:, None])
+            y = y / col[:, None, :]
+        else:
+            row = tl.sum(y, axis=2) + eps
+            tl.store(scr + k * SP, row, mask=n_ok[:, None])
+            y = y / row[:, :, None]
+    tl.debug_barrier()  # the loads below may read what other threads stored
     for back in range(0, 2 * iters - 1):
         k = 2 * iters - 1 - back
-        m = _state_before(a, valid, k, eps)
+        d = tl.load(scr + k * SP, mask=n_ok[:, None], other=1.0)
         # (branch-local names differ: Triton requires a name bound in both branches of a
-        # runtime `if` to have one type, and the column and row sums have different shapes)
+        # runtime `if` to have one type, and the column and row vectors have different layouts)
         if k % 2 == 1:
-            col = tl.sum(m, axis=1)[:, None, :] + eps
-            g = (g - tl.sum(g * (m / col), axis=1)[:, None, :]) / col
+            d_col = d[:, None, :]
+            g = (g - tl.sum(g * y, axis=1)[:, None, :]) / d_col
+            y = y * d_col
         else:
-            row = tl.sum(m, axis=2)[:, :, None] + eps
-            g = (g - tl.sum(g * (m / row), axis=2)[:, :, None]) / row
+            d_row = d[:, :, None]
+            g = (g - tl.sum(g * y, axis=2)[:, :, None]) / d_row
+            y = y * d_row
         g = tl.where(valid, g, 0.0)
     p = _softmax_rows(a, valid)
     return p * (g - tl.sum(g * p, axis=2)[:, :, None])
@@ -82,11 +98,14 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def coeff_fwd(
-    x_ptr, phi_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
-    N, C, norm_eps, hc_eps, iters,
+    x_ptr, phit_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr, y_ptr,
+    N, C, D, norm_eps, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-    WITH_RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    WITH_RES: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    MIX_IN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
+    """MIX_IN: also y = sum_j H_pre[j] x_j [N, D], re-reading this program's rows of x (just
+    streamed, so partly from L2) in [BN, BD] tiles."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -98,9 +117,8 @@ def coeff_fwd(
         ok = n_ok[:, None] & (c < C)[None, :]
         xv = tl.load(x_ptr + n64[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
         sq += tl.sum(xv * xv, axis=1)
-        phi_ok = (c < C)[:, None] & (p < P)[None, :]
-        phi_t = tl.load(phi_ptr + p[None, :] * C + c[:, None], mask=phi_ok, other=0.0)
-        raw = tl.dot(xv, phi_t, raw, input_precision="ieee")
+        phi_t = tl.load(phit_ptr + c[:, None] * PP + p[None, :], mask=(c < C)[:, None], other=0.0)
+        raw = tl.dot(xv, phi_t, raw, input_precision=PREC)
     # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
     # code below reads; the barrier makes every thread's stores visible to the whole program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
@@ -112,7 +130,8 @@ def coeff_fwd(
     raw_row = raw_ptr + n64[:, None] * P
     a_pre = tl.load(alpha_ptr) * (tl.load(raw_row + s, mask=vec_ok, other=0.0) * rstd[:, None])
     a_pre += tl.load(bias_ptr + s, mask=s < S, other=0.0)
-    tl.store(pre_ptr + n64[:, None] * S + s, tl.sigmoid(a_pre) + hc_eps, mask=vec_ok)
+    h_pre = tl.sigmoid(a_pre) + hc_eps
+    tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=vec_ok)
     if WITH_RES:
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
@@ -123,12 +142,22 @@ def coeff_fwd(
         a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
         m = _state_before(a_res, valid, 2 * iters, hc_eps)
         tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
+    if MIX_IN:
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            ok = n_ok[:, None] & (d < D)[None, :]
+            y = tl.zeros([BN, BD], dtype=tl.float32)
+            for j in tl.static_range(S):
+                h = tl.sum(tl.where(s == j, h_pre, 0.0), axis=1)
+                xv = tl.load(x_ptr + n64[:, None] * C + j * D + d[None, :], mask=ok, other=0.0)
+                y += h[:, None] * xv.to(tl.float32)
+            tl.store(y_ptr + n64[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def coeff_bwd(
     raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, gpre_ptr, gpost_ptr, gres_ptr,
-    ga_ptr, graw_ptr, coef_ptr,
+    ga_ptr, graw_ptr, coef_ptr, scr_ptr,
     N, C, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, WITH_RES: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
@@ -168,7 +197,7 @@ def coeff_bwd(
         b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
         a_res = alpha * (raw3 * rstd[:, None, None]) + b_res
         g = tl.load(gres_ptr + n64[:, None, None] * (S * S) + ij, mask=valid, other=0.0)
-        ga3 = _sinkhorn_bwd(a_res, g, valid, iters, hc_eps)
+        ga3 = _sinkhorn_bwd(a_res, g, valid, iters, hc_eps, scr_ptr, n64, n_ok, SP)
         tl.store(ga_ptr + n64[:, None, None] * P + 2 * S + ij, ga3, mask=valid)
         tl.store(
             graw_ptr + n64[:, None, None] * P + 2 * S + ij,
@@ -182,13 +211,15 @@ def coeff_bwd(
 
 @triton.jit
 def rms_grad(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, N, C, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, gy_ptr, h_ptr, N, C, D, S, TOKENS,
+    P: tl.constexpr, PP: tl.constexpr, MIX: tl.constexpr, PREC: tl.constexpr,
+    BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One read of x for both input-side gradients of the projection and the RMS scale:
-    g_x = g_raw @ phi + coef * x (written once in the dtype of x) and this program's share of
+    g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX; column
+    c is stream j = c // D), written once in the dtype of x, and this program's share of
     g_phi = g_raw^T @ x over its TOKENS tokens (a partial [PP, BC] block; the caller sums the
-    partials in a fixed order, so g_phi is deterministic). fp32 dots without TF32."""
+    partials in a fixed order, so g_phi is deterministic)."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     p = tl.arange(0, PP)
     phi = tl.load(phi_ptr + p[:, None] * C + c[None, :], mask=(p < P)[:, None] & (c < C)[None, :],
@@ -204,92 +235,12 @@ def rms_grad(
                         mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
         coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
         xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        g = tl.dot(g_raw, phi, input_precision="ieee") + coef[:, None] * xv
+        g = tl.dot(g_raw, phi, input_precision=PREC) + coef[:, None] * xv
+        if MIX:
+            h = tl.load(h_ptr + n.to(tl.int64)[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
+            gy_at = gy_ptr + n.to(tl.int64)[:, None] * D + (c % D)[None, :]
+            g += h * tl.load(gy_at, mask=ok, other=0.0).to(tl.float32)
         tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
-        acc = tl.dot(tl.trans(g_raw), xv, acc, input_precision="ieee")
+        acc = tl.dot(tl.trans(g_raw), xv, acc, input_precision=PREC)
     part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
     tl.store(part + p[:, None] * C + c[None, :], acc, mask=(c < C)[None, :])
-
-
-@triton.jit
-def mix_in_fwd(x_ptr, h_ptr, y_ptr, D, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SP)
-    h = tl.load(h_ptr + n * S + s, mask=s < S, other=0.0).to(tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        ok = (s < S)[:, None] & (d < D)[None, :]
-        xv = tl.load(x_ptr + n * S * D + s[:, None] * D + d[None, :], mask=ok, other=0.0)
-        y = tl.sum(h[:, None] * xv.to(tl.float32), axis=0)
-        tl.store(y_ptr + n * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
-
-
-@triton.jit
-def mix_in_bwd(
-    gy_ptr, x_ptr, h_ptr, gx_ptr, gh_ptr, D, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr
-):
-    n = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SP)
-    h = tl.load(h_ptr + n * S + s, mask=s < S, other=0.0).to(tl.float32)
-    acc = tl.zeros([SP], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        ok = (s < S)[:, None] & (d < D)[None, :]
-        offs = n * S * D + s[:, None] * D + d[None, :]
-        gy = tl.load(gy_ptr + n * D + d, mask=d < D, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(gx_ptr + offs, (h[:, None] * gy[None, :]).to(gx_ptr.dtype.element_ty), mask=ok)
-        acc += tl.sum(xv * gy[None, :], axis=1)
-    tl.store(gh_ptr + n * S + s, acc, mask=s < S)
-
-
-@triton.jit
-def _mix_out_coeffs(post_ptr, res_ptr, n, S: tl.constexpr, SP: tl.constexpr):
-    s = tl.arange(0, SP)
-    j, k = s[:, None], s[None, :]
-    post = tl.load(post_ptr + n * S + s, mask=s < S, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + n * S * S + j * S + k, mask=(j < S) & (k < S), other=0.0)
-    return s, post, res.to(tl.float32)
-
-
-@triton.jit
-def mix_out_fwd(
-    x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, D, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr
-):
-    n = tl.program_id(0).to(tl.int64)
-    s, post, res = _mix_out_coeffs(post_ptr, res_ptr, n, S, SP)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        ok = (s < S)[:, None] & (d < D)[None, :]
-        offs = n * S * D + s[:, None] * D + d[None, :]
-        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        f = tl.load(f_ptr + n * D + d, mask=d < D, other=0.0).to(tl.float32)
-        y = tl.sum(res[:, :, None] * xv[:, None, :], axis=0) + post[:, None] * f[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def mix_out_bwd(
-    gy_ptr, x_ptr, f_ptr, post_ptr, res_ptr, gx_ptr, gf_ptr, gpost_ptr, gres_ptr,
-    D, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    n = tl.program_id(0).to(tl.int64)
-    s, post, res = _mix_out_coeffs(post_ptr, res_ptr, n, S, SP)
-    acc_post = tl.zeros([SP], dtype=tl.float32)
-    acc_res = tl.zeros([SP, SP], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        ok = (s < S)[:, None] & (d < D)[None, :]
-        offs = n * S * D + s[:, None] * D + d[None, :]
-        gy = tl.load(gy_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [k, d]
-        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [j, d]
-        f = tl.load(f_ptr + n * D + d, mask=d < D, other=0.0).to(tl.float32)
-        gf = tl.sum(post[:, None] * gy, axis=0)
-        tl.store(gf_ptr + n * D + d, gf.to(gf_ptr.dtype.element_ty), mask=d < D)
-        gx = tl.sum(res[:, :, None] * gy[None, :, :], axis=1)
-        tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=ok)
-        acc_post += tl.sum(gy * f[None, :], axis=1)
-        acc_res += tl.sum(xv[:, None, :] * gy[None, :, :], axis=2)
-    j, k = s[:, None], s[None, :]
-    tl.store(gpost_ptr + n * S + s, acc_post, mask=s < S)
-    tl.store(gres_ptr + n * S * S + j * S + k, acc_res, mask=(j < S) & (k < S))

@@ -18,7 +18,8 @@ Design choices:
 - The functions here are the eager reference and the CPU path. Each takes `kernels`
   ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
   `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere. Callers that pass
-  nothing (the engine) get "auto".
+  nothing (the engine) get "auto". `HyperConnection` calls `coefficients_and_mix_in`, which the
+  fused path runs as one op (the streams' gradient written once for both).
 - The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
   home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
   Zero biases would start from maximal mixing (H_res uniform).
@@ -117,6 +118,26 @@ def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tenso
     return y_BTD.to(x_BTSD.dtype)
 
 
+def coefficients_and_mix_in(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
+    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(sum_j H_pre[j] x_j [B,T,D], H_pre, H_post, H_res): `mhc_coefficients`, then `mix_in`.
+
+    The fused path runs both as one op, whose backward writes the streams' gradient once.
+    """
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.coefficients_and_mix_in(
+            x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
+        )
+    h_pre, h_post, h_res = mhc_coefficients(
+        x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps, kernels=kernels
+    )
+    return mix_in(x_BTSD, h_pre, kernels=kernels), h_pre, h_post, h_res
+
+
 def mix_out(
     x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor, *,
     kernels: str = "auto",
@@ -160,9 +181,11 @@ class HyperConnection(nn.Module):
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if use_fused(x_BTSD, self.kernels):  # one copy of the expanded input, not one per op
             x_BTSD = x_BTSD.contiguous()
-        h_pre, h_post, h_res = self.coefficients(x_BTSD)
-        f_BTD = sublayer(mix_in(x_BTSD, h_pre, kernels=self.kernels))
-        return mix_out(x_BTSD, f_BTD, h_post, h_res, kernels=self.kernels)
+        y_BTD, _, h_post, h_res = coefficients_and_mix_in(
+            x_BTSD, self.phi, self.alpha, self.bias, iters=self.iters, norm_eps=self.norm_eps,
+            eps=self.eps, kernels=self.kernels,
+        )  # fmt: skip
+        return mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res, kernels=self.kernels)
 
 
 class PlainResidual(nn.Module):
@@ -207,7 +230,12 @@ def contract(
     x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
     eps: float = MHC_EPS, kernels: str = "auto",
 ) -> Tensor:  # fmt: skip
-    """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in`."""
+    """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
+    fused path runs both as one op)."""
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        return mhc.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     w_BTS = contraction_weights(
         x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels
     )

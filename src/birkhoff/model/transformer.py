@@ -83,7 +83,7 @@ class Transformer(nn.Module):
 
     def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
         positions_BT = torch.arange(T, device=device)[None, :]
-        return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, cfg=self.cfg)
 
     def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)

@@ -28,8 +28,9 @@ Checkpoints are sharded (birkhoff.train.dcp) and resume on any number of ranks.
 from __future__ import annotations
 
 import copy
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from birkhoff.rl.loss import grpo_loss, token_logprobs
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.tasks.problems import (
+    Problem,
     Task,
     get_task,
     held_out_rng,
@@ -55,7 +57,7 @@ from birkhoff.tasks.problems import (
     sampling_seed,
     step_rng,
 )
-from birkhoff.tokenizer import CharTokenizer
+from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from birkhoff.train.dcp import is_sharded_checkpoint, load_sharded, save_sharded
 from birkhoff.train.distributed import (
@@ -120,9 +122,19 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
 
 
 class GRPORun:
-    """State of one run: model, optimizer, engine, step counters, output directory."""
+    """State of one run: model, optimizer, engine, step counters, output directory.
 
-    def __init__(self, preset: Preset, out_dir: str | Path, *, device: str = "cpu") -> None:
+    By default the preset says everything: its task, the character tokenizer, a fresh model and
+    held-out problems from `held_out_rng`. `task` + `eval_problems` replace the task (a JSONL
+    file's splits), `tokenizer` the tokenizer, and `init` a checkpoint whose weights the model
+    starts from (its config must be the preset's model config).
+    """
+
+    def __init__(
+        self, preset: Preset, out_dir: str | Path, *, device: str = "cpu", task: Task | None = None,
+        eval_problems: Sequence[Problem] | None = None, tokenizer: Tokenizer | None = None,
+        init: str | os.PathLike[str] | None = None,
+    ) -> None:  # fmt: skip
         if not isinstance(preset.rl, RLConfig):
             raise ValueError(f"preset {preset.name!r} has no RL config (preset.rl is None)")
         self.preset, self.rl, self.device = preset, preset.rl, torch.device(device)
@@ -132,10 +144,12 @@ class GRPORun:
             raise ValueError(f"kl_weight={self.rl.loss.kl_weight}: the KL reference is not "
                              "supported under torchrun; use kl_weight=0")  # fmt: skip
         self.out = Path(out_dir)
-        self.tokenizer = CharTokenizer()
-        self.task: Task = get_task(preset.task, **preset.task_options)
+        self.tokenizer: Tokenizer = CharTokenizer() if tokenizer is None else tokenizer
+        self.task: Task = get_task(preset.task, **preset.task_options) if task is None else task
         torch.manual_seed(preset.train.seed)
         self.model = build_model(preset.model, preset.train, device=self.device)
+        if init is not None:
+            load_checkpoint(init, model=self.model)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
@@ -144,8 +158,10 @@ class GRPORun:
             shard_model(self.model, device_type=self.device.type, amp_dtype=preset.train.amp_dtype)
         self.optimizer = build_optimizer(self.model, preset.train)
         self.log = MetricsLog(self.out / "metrics.jsonl")
-        held_out = held_out_rng(preset.train.seed)
-        self.eval_problems = sample_problems(self.task, held_out, self.rl.num_eval_prompts)
+        if eval_problems is None:
+            held_out = held_out_rng(preset.train.seed)
+            eval_problems = sample_problems(self.task, held_out, self.rl.num_eval_prompts)
+        self.eval_problems = list(eval_problems)[: self.rl.num_eval_prompts]
 
     @property
     def total_steps(self) -> int:

@@ -23,7 +23,7 @@ from birkhoff.engine.decode import Completion
 from birkhoff.rl.config import RLConfig
 from birkhoff.tasks.batches import prompt_ids
 from birkhoff.tasks.problems import Problem, Task
-from birkhoff.tokenizer import CharTokenizer
+from birkhoff.tokenizer import Tokenizer
 
 
 class StaleRolloutError(ValueError):
@@ -76,7 +76,7 @@ def rollout(
     engine: Engine,
     problems: Sequence[Problem],
     task: Task,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     cfg: RLConfig,
     *,
     seed: int,
@@ -94,7 +94,7 @@ def rollout(
     params = SamplingParams(
         cfg.max_new_tokens,
         temperature=0.0 if greedy else cfg.temperature,
-        stop_token_ids=(tokenizer.eos_id,),
+        stop_token_ids=tokenizer.stop_ids,
         seed=seed,
         num_speculative_tokens=cfg.num_speculative_tokens,
     )

@@ -3,7 +3,7 @@
 Legend: B batch, T tokens.
 
 Sequence layout (shared by supervised training, generation and RL):
-    [bos] prompt answer [eos] [pad ...]
+    [bos] prompt answer [eos] [pad ...]      ([bos] only when the tokenizer has one)
 `build_supervised_batch` right-pads to [B,T] and sets `loss_mask` on the answer tokens and the
 EOS only. The mask is aligned with the *target positions* of `labels` = input ids, the convention
 of birkhoff/model/mtp.py: mask[j] says whether token j is something to learn, and the model shifts
@@ -24,12 +24,18 @@ import torch
 from torch import Tensor
 
 from birkhoff.tasks.problems import Problem, Task, sample_problems, step_rng
-from birkhoff.tokenizer import CharTokenizer
+from birkhoff.tokenizer import Tokenizer
 
 
-def prompt_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
+def prompt_ids(problem: Problem, tokenizer: Tokenizer) -> list[int]:
     """[bos] + prompt: what a generator is conditioned on."""
-    return [tokenizer.bos_id, *tokenizer.encode(problem.prompt)]
+    return text_prompt_ids(problem.prompt, tokenizer)
+
+
+def text_prompt_ids(text: str, tokenizer: Tokenizer) -> list[int]:
+    """[bos] + the ids of `text` (no BOS when the tokenizer has none, as Qwen's)."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return [*bos, *tokenizer.encode(text)]
 
 
 class SupervisedBatch(NamedTuple):
@@ -40,9 +46,7 @@ class SupervisedBatch(NamedTuple):
         return SupervisedBatch(self.input_ids.to(device), self.loss_mask.to(device))
 
 
-def build_supervised_batch(
-    problems: Sequence[Problem], tokenizer: CharTokenizer
-) -> SupervisedBatch:
+def build_supervised_batch(problems: Sequence[Problem], tokenizer: Tokenizer) -> SupervisedBatch:
     """Token ids of [bos] prompt answer [eos], right-padded to the longest, and the answer mask."""
     if not problems:
         raise ValueError("problems is empty: need at least one problem for a batch")
@@ -63,7 +67,7 @@ def build_supervised_batch(
 
 def batch_for_step(
     task: Task,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     *,
     batch_size: int,
     seed: int,

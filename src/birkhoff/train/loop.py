@@ -30,7 +30,7 @@ from torch import nn
 from birkhoff.presets import Preset
 from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
 from birkhoff.tasks.problems import Problem, Task, get_task, held_out_rng, sample_problems
-from birkhoff.tokenizer import CharTokenizer
+from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.checkpoint import save_checkpoint
 from birkhoff.train.config import TrainConfig
 from birkhoff.train.dcp import save_sharded
@@ -62,7 +62,7 @@ def supervised_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     task: Task,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     cfg: TrainConfig,
     *,
     steps: range,
@@ -83,7 +83,7 @@ def supervised_steps(
 
 @torch.no_grad()
 def teacher_forced_accuracy(
-    model: nn.Module, problems: Sequence[Problem], tokenizer: CharTokenizer
+    model: nn.Module, problems: Sequence[Problem], tokenizer: Tokenizer
 ) -> float:
     """Exact-match rate of the argmax answers given the true prefix (= greedy exact match)."""
     model.eval()

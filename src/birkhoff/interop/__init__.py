@@ -1,0 +1,1 @@
+"""HuggingFace checkpoint import/export, upcycling to mHC + MTP, and tokenizers."""

@@ -1,0 +1,59 @@
+"""`birkhoff import-hf` and `birkhoff export-hf`: their arguments and what each runs.
+
+The module imports nothing heavy at the top (argparse and pathlib only), so building the
+`birkhoff` parser stays fast; torch and the converters load when a command runs. User errors
+raise ValueError (an existing --out without --overwrite, a bad checkpoint); birkhoff/cli.py
+prints them as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+
+def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
+    parser.add_argument("source", type=Path, help=source)
+    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    add_hf_arguments(parser, "HuggingFace checkpoint directory")
+    parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
+    parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
+
+
+def add_export_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    add_hf_arguments(parser, "birkhoff checkpoint directory (S = 1)")
+    parser.add_argument("--drop-mtp", action="store_true", help="leave MTP weights out")
+
+
+def check_out(args: argparse.Namespace) -> None:
+    if args.out.exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out}: already exists; pass --overwrite to replace it")
+
+
+def run_import_hf(args: argparse.Namespace) -> Path:
+    """Import `args.source` into a birkhoff checkpoint at `args.out`; returns its path."""
+    from birkhoff.interop.hf import import_hf
+
+    check_out(args)
+    return import_hf(args.source, args.out, num_streams=args.streams, mtp_depth=args.mtp_depth,
+                     max_seq_len=args.max_seq_len)  # fmt: skip
+
+
+def run_export_hf(args: argparse.Namespace) -> Path:
+    """Export the checkpoint `args.source` as a HuggingFace directory at `args.out`."""
+    from birkhoff.interop.hf import export_hf
+
+    check_out(args)
+    return export_hf(args.source, args.out, drop_mtp=args.drop_mtp)
+
+
+RUNS: dict[str, Callable[[argparse.Namespace], Path]] = {
+    "import-hf": run_import_hf,
+    "export-hf": run_export_hf,
+}
