@@ -35,7 +35,9 @@ def check_kernel(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
         y = fp8_linear(x, q, scale_inv)
         assert y.shape == (N, Y) and y.dtype == dtype
         ref = fp8_linear_reference(x.float(), q, scale_inv)
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        # fp32: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32 (measured
+        # on an H200: 2e-4 of max|ref| at 384-768 inputs, 2e-7 below 256); bf16 output: 3e-3.
+        tol = 1e-3 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         dense = x.float() @ dequantize_fp8_blockwise(q, scale_inv).t()
         assert (y.float() - dense).abs().max() <= 0.1 * dense.abs().max()
