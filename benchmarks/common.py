@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from birkhoff.config import ModelConfig, MoEConfig
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,6 +56,16 @@ def apply_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> N
     for key, value in sizes["quick" if args.quick else args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def same_active_moe(cfg: ModelConfig, num_experts: int) -> ModelConfig:
+    """`cfg` with MoE feed-forwards (all layers but the first, and the MTP depths) whose active
+    width equals the dense SwiGLU's: one shared + top-3 routed experts of a quarter of its width
+    (rounded down to a multiple of 8, which the grouped GEMM's 16-byte rule needs for bf16)."""
+    hidden = max(8, cfg.ffn_dim // 4 // 8 * 8)
+    moe = MoEConfig(num_experts=num_experts, experts_per_token=min(3, num_experts),
+                    expert_hidden=hidden)  # fmt: skip
+    return cfg.replace(moe=moe)
 
 
 def json_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,11 +14,18 @@
 - peer: HuggingFace transformers `generate` on a same-shape dense Llama (random weights): static
   cache + torch.compile "reduce-overhead" (CUDA graphs) and the eager dynamic cache, vs our S=1,
   M=0 engine at the same batches and token counts.
+- moe: the S=4, M=1 trunk with MoE feed-forwards (every layer but the first and the MTP depth;
+  `common.same_active_moe`: one shared + top-3 of --experts routed experts, the dense model's
+  active width; stacked experts through the grouped GEMMs on CUDA) next to the dense S=4, M=1
+  trunk: plain decode tokens/s at each batch and moe_over_dense. Its bound counts the routed
+  expert bytes a step is expected to touch: of E experts, E * (1 - (1 - k/E)^batch) under
+  uniform top-k routing (3 experts per layer at batch 1, nearly all at batch 64).
 Engines use CUDA graphs on CUDA (`--no-graphs`: eager). Timings are best of `--repeats`.
 
     python benchmarks/decode.py --device cpu --quick                  # smoke run
     python benchmarks/decode.py --device cuda                         # everything, a few minutes
     python benchmarks/decode.py --device cuda --sections shapes,peer --batches 1,64
+    python benchmarks/decode.py --device cuda --sections moe --batches 1,64   # the MoE engine
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, json_args, sync
+from common import REPO_ROOT, json_args, same_active_moe, sync
 from decode_peer import device_seconds, hf_peer
 
 from birkhoff.config import ModelConfig
@@ -40,7 +47,8 @@ from birkhoff.model import Transformer
 
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("shapes", "fp8", "spec", "continuous", "peer")
+DEFAULT_SECTIONS = ("shapes", "fp8", "spec", "continuous", "peer")
+SECTIONS = (*DEFAULT_SECTIONS, "moe")  # moe runs when asked for
 
 
 def task_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -85,11 +93,17 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 28) -> float:
 
 
 def bytes_per_step(engine: Engine, batch: int, context: float) -> float:
-    """Main-model weight bytes + the batch's KV bytes at `context` positions: one decode step."""
-    main = sum(
-        t.numel() * t.element_size() for n, t in engine.weights.items() if not n.startswith("mtp.")
-    )
+    """Main-model weight bytes + the batch's KV bytes at `context` positions: one decode step
+    (routed experts: the fraction a batch touches under uniform top-k routing)."""
     cfg = engine.cfg
+    touched = 1.0
+    if cfg.moe is not None:
+        touched = 1 - (1 - cfg.moe.experts_per_token / cfg.moe.num_experts) ** batch
+    main = sum(
+        t.numel() * t.element_size() * (touched if ".experts." in n else 1.0)
+        for n, t in engine.weights.items()
+        if not n.startswith("mtp.")
+    )
     kv = 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim * engine.dtype.itemsize * batch * context
     return main + kv
 
@@ -187,6 +201,18 @@ def section_fp8(args: argparse.Namespace, device: torch.device, bw: float) -> di
     return {"rows": rows, "fp8_over_bf16": ratio}
 
 
+def section_moe(args: argparse.Namespace, device: torch.device, bw: float) -> dict[str, Any]:
+    """Plain decode of the MoE trunk next to the dense trunk of the same active width."""
+    dense = trunk(args, 4, 1)
+    rows = {}
+    for name, cfg in (("dense", dense), ("moe", same_active_moe(dense, args.experts))):
+        engine = engine_for(cfg, args, device, max(args.batch_list))
+        rows[name] = plain_rows(f"S4-{name}", engine, args, device, bw, busy=False)
+    ratio = [m["tokens_per_s"] / d["tokens_per_s"]
+             for m, d in zip(rows["moe"], rows["dense"], strict=True)]  # fmt: skip
+    return {"rows": rows, "moe_over_dense": ratio, "experts": args.experts}
+
+
 def section_spec(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     cfg = ModelConfig(vocab_size=64, dim=args.spec_dim, num_layers=args.spec_layers,
                       num_heads=args.spec_heads, num_streams=4, mtp_depth=1,
@@ -279,7 +305,7 @@ def parse_args() -> argparse.Namespace:
     )
     add = ap.add_argument
     add("--device", choices=["cpu", "cuda"], default="cpu")
-    add("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    add("--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma list of {SECTIONS}")
     add("--quick", action="store_true", help="CPU smoke run: tiny models, few tokens")
     add("--no-graphs", action="store_true", help="engines run eagerly on CUDA too")
     add("--dim", type=int, default=768)
@@ -302,6 +328,7 @@ def parse_args() -> argparse.Namespace:
     add("--cb-min-new", type=int, default=16)
     add("--cb-max-new", type=int, default=512)
     add("--peer-batches", default="1,64")
+    add("--experts", type=int, default=32, help="routed experts per MoE layer (section moe)")
     add("--peer-modes", default="static,eager", help="transformers generate: static,eager")
     add("--out", type=Path, help="JSON path (default benchmarks/results/decode-<device>.json)")
     args = ap.parse_args()
@@ -334,7 +361,8 @@ def main() -> None:
                "fp8": lambda: section_fp8(args, device, bandwidth),
                "spec": lambda: section_spec(args, device),
                "continuous": lambda: section_continuous(args, device),
-               "peer": lambda: section_peer(args, device)}  # fmt: skip
+               "peer": lambda: section_peer(args, device),
+               "moe": lambda: section_moe(args, device, bandwidth)}  # fmt: skip
     for name in sections:
         start = time.perf_counter()
         print(f"\n== {name}")
@@ -359,6 +387,10 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             s[f"{name}_b{r['batch']}_bound_frac"] = round(r["bound_fraction_copy_bw"], 4)
     if "fp8" in result:
         s["fp8_over_bf16"] = [round(x, 3) for x in result["fp8"]["fp8_over_bf16"]]
+    for r in result.get("moe", {}).get("rows", {}).get("moe", []):
+        s[f"moe_b{r['batch']}_tok_s"] = round(r["tokens_per_s"], 1)
+    if "moe" in result:
+        s["moe_over_dense"] = [round(x, 3) for x in result["moe"]["moe_over_dense"]]
     for r in result.get("spec", []):
         if r["k"]:
             s[f"spec_b{r['batch']}_k{r['k']}_speedup"] = round(r["speedup"], 3)

@@ -15,8 +15,15 @@ Peak memory: on CPU the peak of live tensor bytes allocated during the step (a d
 that re-reads storage sizes after every op); on CUDA `torch.cuda.max_memory_allocated` minus the
 bytes allocated before the step (parameters, gradients-free, optimizer state), bf16 autocast.
 After-step memory: what is still allocated after the step (gradients, optimizer state and any
-leak) above what was allocated before it. Ratios are reported against "never" and
-"torch_checkpoint" measured in the same run.
+leak) above what was allocated before it; "leak": the after-step bytes beyond the gradients,
+parameters and optimizer state (what something kept alive; 0 when nothing leaks). Ratios are
+reported against "never" and "torch_checkpoint" measured in the same run.
+
+With --moe every variant runs on an MoE model (MoE feed-forwards in every layer but the first
+and in the MTP depth: --experts experts, top-3 plus one shared expert of a quarter of the dense
+width, so the active width equals the dense model's; common.same_active_moe), and its memory is
+measured again on the dense model of the same shape (rows `dense_*`, not timed): the MoE model's
+leak must equal the dense model's (`*_moe_leak_minus_dense` = 0).
 
 Stash leak (printed after the table): a stack of MLP blocks, each checkpointed, each keeping a
 recomputed tensor on `self` (as MoE dispatchers do). Bytes still allocated after the step with
@@ -27,6 +34,7 @@ difference reentrant - safe is the memory the rerun aliases and gradient sinks r
   python benchmarks/recompute_memory.py --device cpu --quick
   python benchmarks/recompute_memory.py --device cpu
   python benchmarks/recompute_memory.py --device cuda          # ~120M params, S=4, M=1, T=2048
+  python benchmarks/recompute_memory.py --device cuda --moe    # the same trunk with MoE layers
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
       python benchmarks/recompute_memory.py --device cuda --sanitizer-case always   # or safe
 """
@@ -42,29 +50,31 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as tuc
-from common import add_size_args, apply_sizes, json_args, sync
+from common import add_size_args, apply_sizes, json_args, same_active_moe, sync
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
 from birkhoff.recompute import PeakLiveBytes, checkpoint, track_saved_storages
+from birkhoff.recompute.registry import storage_key
 from birkhoff.train.recompute import apply_checkpoint, apply_recompute
 
 VARIANTS = ("none", "torch_checkpoint", "never", "safe", "safe_tracked")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
+def model_config(args: argparse.Namespace, *, moe: bool = False) -> ModelConfig:
+    cfg = ModelConfig(
         vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
         num_streams=args.streams, mtp_depth=args.mtp, max_seq_len=args.seq,
     )  # fmt: skip
+    return same_active_moe(cfg, args.experts) if moe else cfg
 
 
 def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> Tensor:
@@ -73,9 +83,13 @@ def torch_checkpointed(fn: Callable[..., Tensor], *args: Tensor, name: str) -> T
     return out
 
 
-def build(args: argparse.Namespace, variant: str) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(
+    args: argparse.Namespace, variant: str, *, moe: bool | None = None
+) -> tuple[Transformer, torch.optim.Optimizer]:
+    """The model (MoE if `moe`, default args.moe) with `variant`'s recompute, and its AdamW."""
     torch.manual_seed(0)
-    model = Transformer(model_config(args)).to(args.device)
+    moe = args.moe if moe is None else moe
+    model = Transformer(model_config(args, moe=moe)).to(args.device)
     if variant == "torch_checkpoint":
         apply_checkpoint(model, torch_checkpointed)
     elif variant != "none":
@@ -98,8 +112,10 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, ids: Tensor, vari
 
 
 @contextlib.contextmanager
-def peak_meter(device: str) -> Iterator[dict[str, int]]:
-    """Yields a dict filled with the bytes live before, the peak and the bytes left after."""
+def peak_meter(device: str, exclude: Collection[int] = ()) -> Iterator[dict[str, int]]:
+    """Yields a dict filled with the bytes live before, the peak and the bytes left after
+    ("owned_after": the same less the storages keyed in `exclude`; on CUDA they are in "before",
+    on CPU in-place ops on them make the dispatch mode see them)."""
     result: dict[str, int] = {}
     if device == "cuda":
         sync(device)
@@ -109,28 +125,39 @@ def peak_meter(device: str) -> Iterator[dict[str, int]]:
         gc.collect()
         sync(device)
         result["before"], result["peak"] = base, torch.cuda.max_memory_allocated() - base
-        result["after"] = torch.cuda.memory_allocated() - base
+        result["after"] = result["owned_after"] = torch.cuda.memory_allocated() - base
         return
     with PeakLiveBytes() as tracker:
         yield result
     gc.collect()
     result["before"], result["peak"], result["after"] = 0, tracker.peak_bytes, tracker.live_bytes()
+    result["owned_after"] = tracker.live_bytes(exclude=exclude)
 
 
-def measure(args: argparse.Namespace, variant: str, ids: Tensor) -> dict[str, Any]:
+def owned_storages(model: Transformer, opt: torch.optim.Optimizer) -> set[int]:
+    """Storage keys of parameters, buffers and optimizer state: what outlives a step by design."""
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, Tensor)]
+    keys = (storage_key(t) for t in [*model.parameters(), *model.buffers(), *state])
+    return {k for k in keys if k is not None}
+
+
+def measure(
+    args: argparse.Namespace, variant: str, ids: Tensor, *, moe: bool | None = None
+) -> dict[str, Any]:
     """Peak and after-step memory of one step (after a warm-up step), one variant at a time."""
-    model, opt = build(args, variant)
+    model, opt = build(args, variant, moe=moe)
     try:
         train_step(model, opt, ids, variant)  # warm-up: optimizer state, allocator pools
-        with peak_meter(args.device) as mem:
+        with peak_meter(args.device, owned_storages(model, opt)) as mem:
             train_step(model, opt, ids, variant)
+        grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     except RuntimeError as err:  # "always" may read freed storage
         return {"status": f"failed: {str(err).splitlines()[0][:160]}"}
     finally:
         del model, opt
         release_memory(args.device)
     return {"status": "ok", "peak_bytes": mem["peak"], "bytes_before_step": mem["before"],
-            "after_step_bytes": mem["after"]}  # fmt: skip
+            "after_step_bytes": mem["after"], "leak_bytes": mem["owned_after"] - grads}  # fmt: skip
 
 
 def time_interleaved(
@@ -178,22 +205,26 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
         out["safe_peak_over_torch_checkpoint"] = ok["safe"]["peak_bytes"] / torch_peak
     if "safe" in ok and "none" in ok:
         out["safe_peak_over_no_recompute"] = ok["safe"]["peak_bytes"] / ok["none"]["peak_bytes"]
+    for variant in VARIANTS:  # --moe: the MoE model's leak minus the dense model's
+        if variant in ok and f"dense_{variant}" in ok:
+            dense = ok[f"dense_{variant}"]["leak_bytes"]
+            out[f"{variant}_moe_leak_minus_dense"] = ok[variant]["leak_bytes"] - dense
     return out
 
 
 def print_table(rows: dict[str, dict[str, Any]], device: str) -> None:
     ref = rows.get("never", {})
-    print(f"\n{'variant':<18}{'peak MiB':>11}{'vs never':>10}{'after MiB':>11}"
-          f"{'step ms':>10}{'vs never':>10}")  # fmt: skip
+    print(f"\n{'variant':<22}{'peak MiB':>11}{'vs never':>10}{'after MiB':>11}"
+          f"{'leak MiB':>10}{'step ms':>10}{'vs never':>10}")  # fmt: skip
     for name, row in rows.items():
         if row["status"] != "ok":
-            print(f"{name:<18}{row['status']}")
+            print(f"{name:<22}{row['status']}")
             continue
         peak, ms, after = row["peak_bytes"], row.get("step_ms", math.nan), row["after_step_bytes"]
         rel_peak = peak / ref["peak_bytes"] if ref.get("status") == "ok" else float("nan")
         rel_ms = ms / ref["step_ms"] if ref.get("status") == "ok" else float("nan")
-        print(f"{name:<18}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{after / 2**20:>11.2f}"
-              f"{ms:>10.1f}{rel_ms:>10.3f}")  # fmt: skip
+        print(f"{name:<22}{peak / 2**20:>11.2f}{rel_peak:>10.3f}{after / 2**20:>11.2f}"
+              f"{row['leak_bytes'] / 2**20:>10.3f}{ms:>10.1f}{rel_ms:>10.3f}")  # fmt: skip
     cuda_what = "torch.cuda.max_memory_allocated above the bytes allocated before the step"
     cpu_what = "peak live bytes of tensors allocated during the step"
     print(f"(peak: {cuda_what if device == 'cuda' else cpu_what})")
@@ -265,6 +296,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int)
     p.add_argument("--with-always", action="store_true", help="also run reclaim='always' last")
     p.add_argument("--sanitizer-case", choices=("always", "safe"))
+    p.add_argument("--moe", action="store_true", help="MoE model, next to the dense one")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (--moe)")
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=768, layers=12, heads=12, vocab=16384, seq=2048, batch=4, repeats=10),
@@ -283,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_sanitizer_case(args)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    num_params = sum(p.numel() for p in Transformer(model_config(args)).parameters())
+    with torch.device("meta"):
+        model = Transformer(model_config(args, moe=args.moe))
+    num_params = sum(p.numel() for p in model.parameters())
     shape = f"dim={args.dim} layers={args.layers} S={args.streams} M={args.mtp}"
+    shape += f" MoE {args.experts} experts top-3 + 1 shared" if args.moe else ""
     print(
         f"device={args.device} params={num_params / 1e6:.1f}M {shape} B={args.batch} T={args.seq}"
     )
@@ -293,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         rows[variant] = measure(args, variant, ids)
         print(f"  {variant}: {rows[variant]}")
-    timed = [v for v, row in rows.items() if row["status"] == "ok" and v != "always"]
+    for variant in VARIANTS if args.moe else ():  # the dense model of the same shape
+        rows[f"dense_{variant}"] = measure(args, variant, ids, moe=False)
+        print(f"  dense_{variant}: {rows[f'dense_{variant}']}")
+    timed = [v for v in variants if rows[v]["status"] == "ok" and v != "always"]
     for variant, ms in time_interleaved(args, timed, ids).items():
         rows[variant].update(step_ms=ms, num_timed_steps=args.repeats)
     print_table(rows, args.device)
@@ -309,9 +348,8 @@ def main(argv: list[str] | None = None) -> int:
               "stash_leak_after_step_bytes": leak}  # fmt: skip
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    out = (
-        args.out or RESULTS / f"recompute_memory-{args.device}{'-quick' if args.quick else ''}.json"
-    )
+    tags = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
+    out = args.out or RESULTS / f"recompute_memory-{args.device}{tags}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({"ratios": summary, "stash_leak_after_step_bytes": leak}))

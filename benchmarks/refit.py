@@ -14,6 +14,12 @@ weights) unless --trainer-dtype bf16.
   python benchmarks/refit.py --device cpu [--threads 1]
   python benchmarks/refit.py --device cuda            # ~1.1B params (dim 2048, 18 layers, M=1)
   python benchmarks/refit.py --device cuda --bucket-mb 64 256 1024
+  python benchmarks/refit.py --device cuda --moe      # the same trunk with MoE layers
+
+--moe: MoE feed-forwards in every layer but the first and in the MTP depth
+(`common.same_active_moe`: one shared + top-3 of --experts routed experts, a quarter of the dense
+width each), so the stacked expert tensors ([E, 2F, D], [E, D, F]) dominate the bytes; fp8
+quantizes every expert's 128x128 blocks, and the router stays fp32.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import common
 import torch
-from common import add_size_args, apply_sizes, json_args
+from common import add_size_args, apply_sizes, json_args, same_active_moe
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -51,6 +57,8 @@ def build_model(args: argparse.Namespace) -> Transformer:
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers,
                       num_heads=args.heads, num_streams=args.streams, mtp_depth=args.mtp,
                       max_seq_len=128)  # fmt: skip
+    if args.moe:
+        cfg = same_active_moe(cfg, args.experts)
     torch.manual_seed(0)
     with torch.device(args.device):
         model = Transformer(cfg)
@@ -146,6 +154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, nargs="+")
     p.add_argument("--trainer-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--moe", action="store_true", help="MoE layers (common.same_active_moe)")
+    p.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
     args = p.parse_args(argv)
     sizes = {
         "cuda": dict(dim=2048, layers=18, heads=16, vocab=32768, bucket_mb=[256], repeats=5),
@@ -164,7 +174,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     result = run(args)
     print_table(result)
-    suffix = "-quick" if args.quick else ""
+    suffix = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
     out = args.out or RESULTS / f"refit-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result["args"] = json_args(args)

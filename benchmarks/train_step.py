@@ -20,6 +20,14 @@ run (8192^3, best of 10) and as the 790 TFLOP/s measured on an H200.
   python benchmarks/train_step.py --device cpu              # small model, a few minutes
   python benchmarks/train_step.py --device cuda             # h200-small preset: ~120M, T=2048
   python benchmarks/train_step.py --device cuda --compile   # same, each block torch.compiled
+  python benchmarks/train_step.py --device cuda --moe       # MoE vs dense of equal active params
+
+MoE (--moe, or variant names ending in `_moe`): the same trunk with MoE feed-forwards in every
+layer but the first and in the MTP depth (`common.same_active_moe`: one shared + top-3 of
+--experts routed experts, each a quarter of the dense width), so its active parameters per
+token equal the dense model's; its FLOPs count only the active experts ((E-3)/E of every
+stacked expert tensor is left out of N_matmul, the router is counted). `moe_over_dense_*` is
+the time ratio against the dense variant of the same (S, M).
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import sync
+from common import same_active_moe, sync
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
+from birkhoff.model.moe import moe_layers
 from birkhoff.presets import h200_small
 from birkhoff.train import TrainConfig, forward_context
 from birkhoff.train.recompute import apply_recompute
@@ -62,7 +71,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--mhc-kernels", choices=("auto", "eager", "triton"), default="auto",
                    help="mHC ops: fused Triton (auto on CUDA) or the eager reference")  # fmt: skip
-    p.add_argument("--variants", default="S1_M0,S4_M0,S1_M1,S4_M1", help="comma-separated")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated (default S1_M0,S4_M0,S1_M1,S4_M1; --moe: S4_M1,S4_M1_moe)",
+    )
+    p.add_argument("--moe", action="store_true", help="MoE vs dense of equal active parameters")
+    p.add_argument("--experts", type=int, default=None, help="routed experts (32; quick: 4)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
     return p.parse_args()
 
@@ -88,10 +103,19 @@ def model_config(size: dict[str, int], streams: int, mtp: int, kernels: str) -> 
     )  # fmt: skip
 
 
+def inactive_params(model: Transformer) -> int:
+    """Routed-expert parameters a token does not use: (E-k)/E of every stacked expert tensor."""
+    total = 0
+    for _, layer in moe_layers(model):
+        E, k = layer.moe.num_experts, layer.moe.experts_per_token
+        total += (layer.experts.w_gate_up.numel() + layer.experts.w_down.numel()) * (E - k) // E
+    return total
+
+
 def flops_per_token(model: Transformer, seq: int) -> float:
     cfg = model.cfg
     num_matmul = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
-    num_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim
+    num_matmul += cfg.mtp_depth * cfg.vocab_size * cfg.dim - inactive_params(model)
     return 6.0 * num_matmul + 12.0 * (cfg.num_layers + cfg.mtp_depth) * seq * cfg.dim
 
 
@@ -140,9 +164,11 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> 
 
 
 def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
-                device: torch.device) -> dict[str, Any]:  # fmt: skip
+                device: torch.device, *, moe: bool = False) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(model_config(size, streams, mtp, args.mhc_kernels)).to(device)
+    cfg = model_config(size, streams, mtp, args.mhc_kernels)
+    experts = args.experts or (4 if args.quick else 32)
+    model = Transformer(same_active_moe(cfg, experts) if moe else cfg).to(device)
     if args.recompute == "full":  # every block and MTP depth, safe reclaim
         apply_recompute(model, reclaim="safe")
     if args.compile:  # identical blocks share one compiled graph (parameters are graph inputs)
@@ -153,8 +179,10 @@ def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Nam
     seconds, peak = time_variant(model, ids_BT.to(device), args, size["iters"])
     tokens = size["batch"] * size["seq"]
     flops = flops_per_token(model, size["seq"]) * tokens / seconds
-    result = dict(streams=streams, mtp=mtp, num_params=sum(p.numel() for p in model.parameters()),
-                  step_ms=1e3 * seconds, tokens_per_s=tokens / seconds, tflops=flops / 1e12,
+    num_params = sum(p.numel() for p in model.parameters())
+    result = dict(streams=streams, mtp=mtp, moe=moe, num_params=num_params,
+                  active_params=num_params - inactive_params(model), step_ms=1e3 * seconds,
+                  tokens_per_s=tokens / seconds, tflops=flops / 1e12,
                   peak_gib=peak / 2**30)  # fmt: skip
     del model
     gc.collect()
@@ -175,17 +203,21 @@ RATIOS = {  # name: (slower variant, baseline variant)
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Time ratios (> 1 = slower) at equal dims, from tokens/s measured in this run."""
     tps = {k: v["tokens_per_s"] for k, v in rows.items()}
-    return {name: tps[base] / tps[slow] for name, (slow, base) in RATIOS.items()
+    pairs = RATIOS | {f"moe_over_dense_{k}": (f"{k}_moe", k) for k in tps if not k.endswith("_moe")}
+    return {name: tps[base] / tps[slow] for name, (slow, base) in pairs.items()
             if slow in tps and base in tps}  # fmt: skip
 
 
 def print_table(rows: dict[str, dict[str, Any]], peaks: dict[str, float]) -> None:
     mfu_cols = list(peaks)
-    header = f"{'variant':<8}{'params':>12}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>9}"
+    header = (
+        f"{'variant':<12}{'params':>12}{'active':>12}{'step ms':>10}{'tokens/s':>12}{'TFLOP/s':>9}"
+    )
     header += f"{'peak GiB':>10}" + "".join(f"{'MFU@' + k:>14}" for k in mfu_cols)
     print(header)
     for name, r in rows.items():
-        line = f"{name:<8}{r['num_params']:>12,}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}"
+        line = f"{name:<12}{r['num_params']:>12,}{r['active_params']:>12,}"
+        line += f"{r['step_ms']:>10.1f}{r['tokens_per_s']:>12,.0f}"
         line += f"{r['tflops']:>9.2f}{r['peak_gib']:>10.2f}"
         line += "".join(f"{r['mfu'][k]:>14.1%}" for k in mfu_cols)
         print(line)
@@ -201,12 +233,14 @@ def main() -> None:
     peaks: dict[str, float] = {}
     if device.type == "cuda":
         peaks = {"measured": measure_matmul_peak(device), "790T": H200_BF16_PEAK}
-    wanted = args.variants.split(",")
-    unknown = sorted(set(wanted) - {f"S{s}_M{m}" for s, m in VARIANTS})
+    default = "S4_M1,S4_M1_moe" if args.moe else "S1_M0,S4_M0,S1_M1,S4_M1"
+    wanted = (args.variants or default).split(",")
+    known = {f"S{s}_M{m}{tag}": (s, m, tag == "_moe") for s, m in VARIANTS for tag in ("", "_moe")}
+    unknown = sorted(set(wanted) - set(known))
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}")
-    rows = {f"S{s}_M{m}": run_variant(size, s, m, args, device)
-            for s, m in VARIANTS if f"S{s}_M{m}" in wanted}  # fmt: skip
+    rows = {name: run_variant(size, s, m, args, device, moe=moe)
+            for name, (s, m, moe) in known.items() if name in wanted}  # fmt: skip
     for r in rows.values():
         r["mfu"] = {k: r["tflops"] * 1e12 / peak for k, peak in peaks.items()}
     print(f"device={args.device} sizes={size} recompute={args.recompute} compile={args.compile} "
@@ -217,13 +251,13 @@ def main() -> None:
         print(f"{name:<22} {value:.3f}x time")
     report = dict(device=args.device, torch=torch.__version__, sizes=size,
                   recompute=args.recompute, compile=args.compile, threads=torch.get_num_threads(),
-                  mhc_kernels=args.mhc_kernels,
+                  mhc_kernels=args.mhc_kernels, experts=args.experts or (4 if args.quick else 32),
                   peak_flops=peaks, variants=rows, ratios=overhead,
                   flops_formula="6*N_matmul + 12*(num_layers+M)*T*D per token")  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
-    suffix = ("-compile" if args.compile else "") + ("-quick" if args.quick else "")
-    suffix += "-eager" if args.mhc_kernels == "eager" else ""
+    suffix = ("-moe" if args.moe else "") + ("-compile" if args.compile else "")
+    suffix += ("-quick" if args.quick else "") + ("-eager" if args.mhc_kernels == "eager" else "")
     out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

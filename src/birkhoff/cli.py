@@ -123,7 +123,7 @@ def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> 
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-small | h200-grpo")
+    parser.add_argument("--preset", default="tiny-cpu", help="a name in birkhoff.presets.PRESETS")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
@@ -224,7 +224,9 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny-cpu", help="tiny-cpu | h200-grpo")
+    parser.add_argument(
+        "--preset", default="tiny-cpu", help="tiny-cpu | tiny-cpu-moe | h200-grpo | h200-grpo-moe"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")

@@ -43,6 +43,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # None: every feed-forward is a dense SwiGLU
     # Llama-family options (HuggingFace import, docs/interop.md); defaults are the plain model.
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     attn_out_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
@@ -116,6 +117,52 @@ class ModelConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"ModelConfig: unknown field(s) {unknown}")
+        if isinstance(data.get("moe"), dict):
+            data = {**data, "moe": MoEConfig.from_dict(data["moe"])}
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward (DeepSeek-V3 routing); see docs/moe.md."""
+
+    num_experts: int  # E routed experts
+    experts_per_token: int  # top-k routed experts per token
+    expert_hidden: int  # F of each expert's SwiGLU (shared experts use the same width)
+    num_shared_experts: int = 1  # always-active experts, one SwiGLU of width n * expert_hidden
+    num_dense_layers: int = 1  # the first layers keep the dense SwiGLU
+    mtp_moe: bool = True  # MTP depths use the MoE feed-forward too
+    route_scale: float = 1.0  # routed output scale after the gates are normalised
+    bias_update_rate: float = 1e-3  # gamma: per-update step of the load-balancing bias
+    balance_loss_weight: float = 0.0  # alpha of the sequence-wise balance loss; 0 = off
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_hidden"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
+        k = self.experts_per_token
+        check(
+            k <= self.num_experts,
+            "experts_per_token",
+            k,
+            f"must be <= num_experts={self.num_experts}",
+        )
+        for name in ("num_shared_experts", "num_dense_layers"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")
+        check(isinstance(self.mtp_moe, bool), "mtp_moe", self.mtp_moe, "must be a bool")
+        r = self.route_scale
+        check(math.isfinite(r) and r > 0, "route_scale", r, "must be finite and > 0")
+        for name in ("bias_update_rate", "balance_loss_weight"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, name, value, "must be finite and >= 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MoEConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"MoEConfig: unknown field(s) {unknown}")
         return cls(**data)
 
 

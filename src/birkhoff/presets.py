@@ -12,6 +12,11 @@ for the RL loop's config (None = supervised training only).
 - `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
   benchmark model for one H200.
 - `h200_grpo`: the same trunk for the main job on one H200 (1-digit addition, short sequences).
+- `tiny_cpu_moe`, `h200_grpo_moe`: the same jobs with MoE feed-forwards (docs/moe.md) in every
+  layer but the first and in the MTP depth: one shared expert plus top-2 (tiny: of 4) or top-3
+  (H200: of 32) routed experts, so the active feed-forward width equals the dense model's
+  (tiny: 3 x 64 vs 176; H200: 4 x 512 = 2048, the dense SwiGLU width). Their metrics.jsonl and
+  plot carry the per-step expert load.
 - `h200_learn`: a run whose held-out reward GRPO visibly lifts (greedy and sampled): the tiny-cpu
   model and task with 50 warm-up steps (partly right) and 250 GRPO steps of 32 prompts x 8.
   Its dynamics were checked on CPU with this exact preset; on a GPU it takes minutes.
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import ModelConfig, MoEConfig
 from birkhoff.rl.config import RLConfig
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.config import TrainConfig
@@ -140,6 +145,20 @@ def h200_grpo() -> Preset:
     )
 
 
+def tiny_cpu_moe() -> Preset:
+    """tiny-cpu with MoE layers: 4 experts of width 64, top-2, one shared expert."""
+    base = tiny_cpu()
+    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=64, bias_update_rate=1e-3)
+    return base.replace(name="tiny-cpu-moe", model=base.model.replace(moe=moe))
+
+
+def h200_grpo_moe() -> Preset:
+    """h200-grpo with MoE layers: 32 experts of width 512, top-3, one shared expert."""
+    base = h200_grpo()
+    moe = MoEConfig(num_experts=32, experts_per_token=3, expert_hidden=512)
+    return base.replace(name="h200-grpo-moe", model=base.model.replace(moe=moe))
+
+
 def h200_learn() -> Preset:
     """The GPU run that learns: the tiny-cpu model and task, a shorter warm-up and a longer GRPO
     phase with twice the prompts per step (docs/results.md has the CPU check of its dynamics)."""
@@ -151,8 +170,10 @@ def h200_learn() -> Preset:
 
 PRESETS: dict[str, Callable[[], Preset]] = {
     "tiny-cpu": tiny_cpu,
+    "tiny-cpu-moe": tiny_cpu_moe,
     "h200-small": h200_small,
     "h200-grpo": h200_grpo,
+    "h200-grpo-moe": h200_grpo_moe,
     "h200-learn": h200_learn,
 }
 

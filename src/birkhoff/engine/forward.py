@@ -9,9 +9,10 @@ depth catching up on accepted positions. Rows with fewer than T real positions a
 padded slots read and write the cache's trash slot and their outputs are ignored.
 
 Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, apply_rope,
-swiglu, mhc_coefficients, mix_in, mix_out, plain_residual, contract,
-single_stream, expand_streams, mtp_merge): the engine re-implements none of the model math, so an
-fp32 engine matches the trainer to rounding and a fused kernel replaces an op in one place.
+swiglu, mhc_coefficients, mix_in, mix_out, plain_residual, contract, single_stream,
+expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the engine
+re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
+fused kernel replaces an op in one place.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave).
@@ -29,6 +30,7 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
+from birkhoff.engine.moe import moe_mlp
 from birkhoff.model.hyper import (
     contract,
     expand_streams,
@@ -125,6 +127,13 @@ def mlp(x_ATD: Tensor, w: Weights, prefix: str) -> Tensor:
     return linear(swiglu(gate_ATF, up_ATF), w, prefix + "mlp.w_down.weight")
 
 
+def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
+    """The block's MLP: MoE where the layout serves a router (engine/moe.py), else SwiGLU."""
+    if prefix + "mlp.router.weight" in w:
+        return moe_mlp(x_ATD, w, prefix, cfg)
+    return mlp(x_ATD, w, prefix)
+
+
 def hyper(
     x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, sublayer: Callable[[Tensor], Tensor]
 ) -> Tensor:
@@ -152,7 +161,8 @@ def block(
     x_ATSD = hyper(x_ATSD, w, prefix + "hc_attn.", cfg, attn)
     return hyper(
         x_ATSD, w, prefix + "hc_mlp.", cfg,
-        lambda h_ATD: mlp(rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps), w, prefix),
+        lambda h_ATD: feed_forward(
+            rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps), w, prefix, cfg),
     )  # fmt: skip
 
 

@@ -14,6 +14,11 @@ hence per block max|w - dequant(q)| <= amax_block / 16 * (1 + 2^-6 / 448 ...) ~ 
 Idempotence: quantizing a dequantized tensor again gives the same codes, because the block max
 maps back to +-448 and every other element is within fp32 rounding of an e4m3 grid point.
 
+Stacks: a weight of shape [E, r, c] (the stacked experts of an MoE layer) is E matrices, each
+with its own blocks: `scale_inv` is [E, ceil(r/block), ceil(c/block)] and no block straddles two
+experts. When r is a multiple of the block the stack is quantized as its [E*r, c] view (the same
+blocks, one kernel launch); otherwise matrix by matrix.
+
 Design choices: on CUDA with Triton, one fused kernel (`fp8_kernel.py`: one read of the weight,
 one write of the codes) that reproduces the eager reference bit for bit; elsewhere the eager
 reference, vectorised over blocks (pad to a multiple of the block, view as [R, block, C, block],
@@ -39,15 +44,15 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
 
 
-def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = 128) -> tuple[int, int]:
-    """Shape of the `scale_inv` tensor for a 2-D weight of `shape`."""
-    rows, cols = shape
-    return (-(-rows // block), -(-cols // block))
+def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = 128) -> tuple[int, ...]:
+    """Shape of the `scale_inv` tensor for a weight of `shape` ([r, c] or a stack [E, r, c])."""
+    *stack, rows, cols = shape
+    return (*stack, -(-rows // block), -(-cols // block))
 
 
 def _check_2d(w: Tensor, block: int, what: str) -> None:
-    if w.dim() != 2:
-        raise ValueError(f"{what} must be 2-D, got shape {tuple(w.shape)}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{what} must be 2-D (or a 3-D stack of 2-D), got shape {tuple(w.shape)}")
     if block < 1:
         raise ValueError(f"block={block!r} is invalid: must be >= 1")
 
@@ -65,7 +70,8 @@ def _as_blocks(x_rc: Tensor, block: int) -> Tensor:
 def quantize_fp8_blockwise(
     w: Tensor, block: int = 128, *, out: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(q float8_e4m3fn [r, c], scale_inv float32 [ceil(r/block), ceil(c/block)]) of a 2-D `w`.
+    """(q float8_e4m3fn [r, c], scale_inv float32 [ceil(r/block), ceil(c/block)]) of a 2-D `w`;
+    of a stack [E, r, c]: q [E, r, c], scale_inv [E, ceil(r/block), ceil(c/block)].
 
     The fused CUDA kernel where it applies, else the eager reference; the same bits either way.
     `out`: contiguous (q, scale_inv) tensors on w's device to write into (and return).
@@ -73,6 +79,8 @@ def quantize_fp8_blockwise(
     _check_2d(w, block, "w")
     if out is not None:
         _check_out(w, block, out)
+    if w.dim() == 3:
+        return _quantize_stack(w, block, out)
     if fp8_kernel.supported(w, block):
         return fp8_kernel.quantize_fp8_blockwise_triton(
             w, block, amax_floor=_AMAX_FLOOR, inv_max=1.0 / FP8_MAX, out=out
@@ -82,6 +90,24 @@ def quantize_fp8_blockwise(
         return q, scale_inv
     out[0].copy_(q)
     out[1].copy_(scale_inv)
+    return out
+
+
+def _quantize_stack(
+    w_Erc: Tensor, block: int, out: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor]:
+    """Every matrix of a stack with its own blocks: one [E*r, c] call when r % block == 0."""
+    E, rows, cols = w_Erc.shape
+    if out is None:
+        q = torch.empty(w_Erc.shape, dtype=FP8_DTYPE, device=w_Erc.device)
+        out = (q, torch.empty(scale_shape(w_Erc.shape, block), device=w_Erc.device))
+    if rows % block == 0:
+        # the same blocks as the stack's (none straddles two matrices): [E*r, c], scales [E*R, C]
+        flat = (out[0].view(E * rows, cols), out[1].view(-1, out[1].shape[-1]))
+        quantize_fp8_blockwise(w_Erc.reshape(E * rows, cols), block, out=flat)
+        return out
+    for e in range(E):
+        quantize_fp8_blockwise(w_Erc[e], block, out=(out[0][e], out[1][e]))
     return out
 
 
@@ -99,6 +125,7 @@ def _check_out(w: Tensor, block: int, out: tuple[Tensor, Tensor]) -> None:
 def quantize_fp8_blockwise_eager(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     """The reference implementation of `quantize_fp8_blockwise` (any device, plain torch ops)."""
     _check_2d(w, block, "w")
+    assert w.dim() == 2, "a stack goes through quantize_fp8_blockwise"
     rows, cols = w.shape
     w_blocks = _as_blocks(w.float(), block)  # [R, b, C, b]
     # max(amax, -amin): two reads of w, no |w| temporary
@@ -118,7 +145,8 @@ def quantize_fp8_blockwise_eager(w: Tensor, block: int = 128) -> tuple[Tensor, T
 def quantize_parts(
     parts: list[Tensor], device: torch.device, *, out: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Quantize the dim-0 concatenation of `parts` (fused q/k/v or gate/up) on `device`.
+    """Quantize the dim-0 concatenation of `parts` (fused q/k/v or gate/up; a single expert
+    stack) on `device`.
 
     The parts are concatenated first: a 128x128 block may straddle their boundary.
     """
@@ -130,7 +158,8 @@ def quantize_parts(
 def dequantize_fp8_blockwise(
     q: Tensor, scale_inv: Tensor, block: int = 128, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Inverse of `quantize_fp8_blockwise`: `q * scale_inv` per block, returned as `dtype`."""
+    """Inverse of `quantize_fp8_blockwise`: `q * scale_inv` per block, returned as `dtype`
+    (a stack [E, r, c] matrix by matrix, batched)."""
     _check_2d(q, block, "q")
     expected = scale_shape(q.shape, block)
     if tuple(scale_inv.shape) != expected:
@@ -138,7 +167,13 @@ def dequantize_fp8_blockwise(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match q shape {tuple(q.shape)} "
             f"with block={block}: expected {expected}"
         )
-    rows, cols = q.shape
-    q_blocks = _as_blocks(q.float(), block)
-    w_blocks = q_blocks * scale_inv.float()[:, None, :, None]
-    return w_blocks.view(w_blocks.shape[0] * block, -1)[:rows, :cols].to(dtype)
+    *stack, rows, cols = q.shape
+    num_r, num_c = scale_shape((rows, cols), block)
+    # X: the matrices of the stack (1 for a 2-D weight); zero-pad to whole blocks
+    q_Xrc = F.pad(
+        q.reshape(-1, rows, cols).float(), (0, num_c * block - cols, 0, num_r * block - rows)
+    )
+    q_XRbCb = q_Xrc.view(-1, num_r, block, num_c, block)
+    w_XRbCb = q_XRbCb * scale_inv.float().reshape(-1, num_r, 1, num_c, 1)
+    w_Xrc = w_XRbCb.view(-1, num_r * block, num_c * block)[:, :rows, :cols]
+    return w_Xrc.reshape(*stack, rows, cols).to(dtype)

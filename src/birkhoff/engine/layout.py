@@ -1,24 +1,31 @@
 """The engine's inference layout: served names, fusions, shapes, and the manifest.
 
 Legend: D model dim, H query heads, G kv heads, K head dim, F MLP hidden, V vocab, S streams,
-C = S*D, P = S*S+2S.
+C = S*D, P = S*S+2S, E experts.
 
 The engine serves fused projections: `attn.wqkv.weight` = cat(wq, wk, wv) and
 `mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0); with `qkv_bias` the
 biases fuse the same way into `attn.wqkv.bias`. Every other tensor keeps its trainer name (the
-o bias `attn.wo.bias`, the q/k norms `attn.q_norm.weight`, `attn.k_norm.weight`). With tied
-embeddings the engine serves `embed.weight` once and uses it as the lm_head. The MTP drafter
-(`mtp.{k}.*`) is laid out exactly like the main model.
+o bias `attn.wo.bias`, the q/k norms `attn.q_norm.weight`, `attn.k_norm.weight`). An MoE
+feed-forward (model/moe.py) is served as the trainer stores it: `mlp.router.weight` [E, D] and
+`mlp.router_bias` [E] (both fp32 whatever the engine dtype: routing is a discrete choice, and
+bias steps of 1e-3 vanish in bf16), the stacked experts `mlp.experts.w_gate_up` [E, 2F, D] and
+`mlp.experts.w_down` [E, D, F], and the shared experts `mlp.shared.w_gate_up` [2F', D],
+`mlp.shared.w_down` [D, F'] (F' = shared experts * F). With tied embeddings the engine serves
+`embed.weight` once and uses it as the lm_head. The MTP drafter (`mtp.{k}.*`) is laid out
+exactly like the main model.
 
 `engine_parts(cfg)` is the whole layout: engine name -> its trainer parts (name, shape) in
 concatenation order, computed from the ModelConfig alone (tests/engine/test_layout.py checks it
 against the trainer's parameters). The manifest adds each served tensor's dtype: with
 `quantize="fp8"` exactly the matmul weights are float8_e4m3fn plus `name + "_scale_inv"` (fp32,
-one scale per 128x128 block, engine/fp8.py); biases, norms, embeddings (also when tied to the
-lm_head) and mHC coefficients stay in the engine dtype.
+one scale per 128x128 block, per expert for a stack, engine/fp8.py); biases, norms, embeddings
+(also when tied to the lm_head) and mHC coefficients stay in the engine dtype, router tensors in
+fp32.
 
-`trainer_tensors` looks a model's Parameters up by name, every time it is called, so a caller
-always reads the current ones (also after `p.data = t` or a replaced module).
+`trainer_tensors` looks a model's Parameters (and buffers: the router bias) up by name, every
+time it is called, so a caller always reads the current ones (also after `p.data = t` or a
+replaced module).
 Left out: per-channel scales, int8/int4, sharding across devices.
 """
 
@@ -33,16 +40,23 @@ from torch import Tensor
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIX, scale_shape
+from birkhoff.model.moe import is_moe_layer
 
 Quantize = Literal["fp8"] | None
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (trainer name, shape) in concatenation order
 
+# always fp32: MoE routing decisions
+FP32_SUFFIXES = ("mlp.router.weight", "mlp.router_bias")
 # engine tensors that are matmul weights (candidates for fp8); never norms, embeddings, mHC
 MATMUL_SUFFIXES = (
     "attn.wqkv.weight",
     "attn.wo.weight",
     "mlp.w_gate_up.weight",
     "mlp.w_down.weight",
+    "mlp.experts.w_gate_up",
+    "mlp.experts.w_down",
+    "mlp.shared.w_gate_up",
+    "mlp.shared.w_down",
     "proj.weight",
     "lm_head.weight",
 )
@@ -70,12 +84,33 @@ def _hyper(prefix: str, cfg: ModelConfig, *, contraction: bool) -> list[tuple[st
     return [_one(prefix + "phi", P, C), _one(prefix + "alpha", num_alpha), _one(prefix + "bias", P)]
 
 
-def _block(prefix: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
+def _moe(mlp: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
+    """An MoE feed-forward's router, stacked experts and shared experts (trainer layout)."""
+    assert cfg.moe is not None
+    D, E, F = cfg.dim, cfg.moe.num_experts, cfg.moe.expert_hidden
+    out = [
+        _one(mlp + "router.weight", E, D),
+        _one(mlp + "router_bias", E),
+        _one(mlp + "experts.w_gate_up", E, 2 * F, D),
+        _one(mlp + "experts.w_down", E, D, F),
+    ]
+    shared = cfg.moe.num_shared_experts * F  # F' of the shared experts' one SwiGLU
+    if shared:
+        out += [
+            _one(mlp + "shared.w_gate_up", 2 * shared, D),
+            _one(mlp + "shared.w_down", D, shared),
+        ]
+    return out
+
+
+def _block(prefix: str, cfg: ModelConfig, index: int) -> list[tuple[str, Parts]]:
+    """Block `index` (0..L-1 main layers, L + k for MTP depth k)."""
     D, H, G, K, F = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim
     attn, mlp = prefix + "attn.", prefix + "mlp."
     qkv = ((attn + "wq.weight", (H * K, D)), (attn + "wk.weight", (G * K, D)),
            (attn + "wv.weight", (G * K, D)))  # fmt: skip
     gate_up = ((mlp + "w_gate.weight", (F, D)), (mlp + "w_up.weight", (F, D)))
+    dense = [(mlp + "w_gate_up.weight", gate_up), _one(mlp + "w_down.weight", D, F)]
     return [
         _one(prefix + "attn_norm.weight", D),
         (attn + "wqkv.weight", qkv),
@@ -83,8 +118,7 @@ def _block(prefix: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
         _one(attn + "wo.weight", D, H * K),
         *_hyper(prefix + "hc_attn.", cfg, contraction=False),
         _one(prefix + "mlp_norm.weight", D),
-        (mlp + "w_gate_up.weight", gate_up),
-        _one(mlp + "w_down.weight", D, F),
+        *(_moe(mlp, cfg) if is_moe_layer(cfg, index) else dense),
         *_hyper(prefix + "hc_mlp.", cfg, contraction=False),
     ]
 
@@ -110,14 +144,14 @@ def engine_parts(cfg: ModelConfig) -> dict[str, Parts]:
     D, V = cfg.dim, cfg.vocab_size
     out = [_one("embed.weight", V, D)]
     for i in range(cfg.num_layers):
-        out += _block(f"layers.{i}.", cfg)
+        out += _block(f"layers.{i}.", cfg, i)
     out += [*_hyper("contraction.", cfg, contraction=True), _one("norm.weight", D)]
     if not cfg.tie_embeddings:
         out.append(_one("lm_head.weight", V, D))
     for k in range(cfg.mtp_depth):
         p = f"mtp.{k}."
         out += [_one(p + "hidden_norm.weight", D), _one(p + "embed_norm.weight", D),
-                _one(p + "proj.weight", D, 2 * D), *_block(p + "block.", cfg),
+                _one(p + "proj.weight", D, 2 * D), *_block(p + "block.", cfg, cfg.num_layers + k),
                 *_hyper(p + "contraction.", cfg, contraction=True),
                 _one(p + "norm.weight", D)]  # fmt: skip
     return dict(out)
@@ -140,6 +174,8 @@ def build_manifest(
         if quantize == "fp8" and is_matmul_weight(name):
             manifest[name] = TensorSpec(shape, FP8_DTYPE)
             manifest[name + SCALE_SUFFIX] = TensorSpec(scale_shape(shape, FP8_BLOCK), torch.float32)
+        elif name.endswith(FP32_SUFFIXES):
+            manifest[name] = TensorSpec(shape, torch.float32)
         else:
             manifest[name] = TensorSpec(shape, dtype)
     return manifest
@@ -156,9 +192,10 @@ class SourceError(ValueError):
 def trainer_tensors(
     model: torch.nn.Module, names: Sequence[str], shapes: Sequence[tuple[int, ...]]
 ) -> list[Tensor]:
-    """The model's current Parameters `names`, looked up by name on every call (none can be
-    stale); raises SourceError naming every one the model lacks or holds with another shape."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """The model's current Parameters (or buffers) `names`, looked up by name on every call (none
+    can be stale); raises SourceError naming every one the model lacks or mis-shapes."""
+    params = dict(model.named_buffers())  # the MoE router bias is a buffer
+    params.update(model.named_parameters(remove_duplicate=False))
     found = [params.get(name) for name in names]
     if [None if p is None else p.shape for p in found] == list(shapes):
         return found  # type: ignore[return-value]

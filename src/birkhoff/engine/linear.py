@@ -4,16 +4,27 @@ Every projection reads its weight from the engine's weight dict by name, so repl
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
 fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
 `fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
-first. Left out: caching the dequantized weights between calls.
+first. Left out: caching the dequantized weights between calls. `weight` is the lookup with
+dequantization for callers that do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
+
+
+def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
+    """weights[name], dequantized to `dtype` if it has a block scale (as is otherwise)."""
+    w = weights[name]
+    scale_inv = weights.get(name + SCALE_SUFFIX)
+    if scale_inv is not None:
+        w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=dtype)
+    return w
 
 
 def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None) -> Tensor:
@@ -27,4 +38,4 @@ def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None
     if fp8_matmul.supported(x):
         out = fp8_matmul.fp8_linear(x, w, scale_inv)
         return out if b is None else out + b
-    return F.linear(x, dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=x.dtype), b)
+    return F.linear(x, weight(weights, name, x.dtype), b)

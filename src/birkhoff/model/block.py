@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model.hyper import build_hyper_connection
-from birkhoff.model.layers import Attention, RMSNorm, SwiGLU
+from birkhoff.model.layers import Attention, RMSNorm
+from birkhoff.model.moe import build_feed_forward
 
 
 class Block(nn.Module):
@@ -22,7 +23,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.hc_attn = build_hyper_connection(cfg, home=2 * index)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = build_feed_forward(cfg, index)  # SwiGLU, or MoE when cfg.moe says so
         self.hc_mlp = build_hyper_connection(cfg, home=2 * index + 1)
 
     def forward(self, x_BTSD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:

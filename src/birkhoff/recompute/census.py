@@ -18,6 +18,7 @@ Left out: storages allocated during backward (recomputed activations) are not in
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,8 +109,12 @@ class PeakLiveBytes(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
 
-    def live_bytes(self) -> int:
+    def live_bytes(self, exclude: Collection[int] = ()) -> int:
+        """Bytes of the live storages seen, less those keyed (`storage_key`) in `exclude`.
+
+        In-place ops return existing tensors, so parameters and optimizer state an op updated
+        are among those seen; a caller asking what a step left behind excludes them."""
         dead = [k for k, ref in self.refs.items() if ref.expired()]
         for key in dead:
             del self.refs[key]
-        return sum(_nbytes(ref) for ref in self.refs.values())
+        return sum(_nbytes(ref) for key, ref in self.refs.items() if key not in exclude)

@@ -206,3 +206,13 @@ class Assembler:
 
     def incomplete(self) -> set[str]:
         return {n for n, (_, _, total) in self.specs.items() if self.covered[n] != total}
+
+    def gaps(self, name: str) -> list[tuple[int, int]]:
+        """Byte ranges [lo, hi) of `name` that no chunk covered."""
+        out, at = [], 0
+        for lo, hi in self._ranges[name]:
+            if lo > at:
+                out.append((at, lo))
+            at = max(at, hi)
+        total = self.specs[name][2]
+        return out + [(at, total)] if at < total else out

@@ -8,11 +8,12 @@ The completeness check runs exactly once per update (`check`, called by `finish`
 two-phase finish of a distributed refit before `commit`), against `engine.manifest()`: every
 manifest name arrived exactly once (no overlapping chunk), fully covered, with the manifest's
 shape and dtype, nothing unexpected arrived and, with `check_finite=True`, every floating tensor
-is finite. A per-bucket check cannot work (a bucket holding no MTP weight is not an incomplete
-update) and a check that is switched off lets a missing weight through; this is the one place
-it belongs. On any failure `RefitError` lists every problem by name and the engine keeps its
-weights and `weight_version`; on success `engine.commit_weights` swaps the whole dict and bumps
-the version.
+is finite. A stacked tensor ([E, ...], an MoE layer's experts) that arrived in part is named
+per expert whose bytes are missing ("layers.3.mlp.experts.w_down expert 17"). A per-bucket
+check cannot work (a bucket holding no MTP weight is not an incomplete update) and a check that
+is switched off lets a missing weight through; this is the one place it belongs. On any failure
+`RefitError` lists every problem by name and the engine keeps its weights and `weight_version`;
+on success `engine.commit_weights` swaps the whole dict and bumps the version.
 
 Design choices: a bucket handed to `load_bucket` belongs to the session from then on, so its
 whole tensors are staged as views of its buffer (an in-process refit moves every byte once:
@@ -135,11 +136,27 @@ class RefitSession:
             unexpected=[n for n in staged.specs if n not in manifest],
             duplicated=list(staged.duplicated),
             mismatched=self._mismatched(manifest),
-            incomplete=list(staged.incomplete() - staged.duplicated - staged.inconsistent),
+            incomplete=self._incomplete(),
             non_finite=_non_finite(staged.tensors) if check_finite else [],
         )
         self._checked = not problems
         return problems
+
+    def _incomplete(self) -> list[str]:
+        """Names not fully covered; a 3-D stack as "name expert e" for every expert with a gap."""
+        staged = self._staging
+        assert staged is not None
+        out = []
+        for name in staged.incomplete() - staged.duplicated - staged.inconsistent:
+            _, shape, total = staged.specs[name]
+            if len(shape) != 3 or shape[0] == 0:
+                out.append(name)
+                continue
+            per_expert = total // shape[0]
+            hit = {e for lo, hi in staged.gaps(name)
+                   for e in range(lo // per_expert, -(-hi // per_expert))}  # fmt: skip
+            out += [f"{name} expert {e}" for e in sorted(hit)]
+        return out
 
     def _mismatched(self, manifest: Mapping[str, TensorSpec]) -> dict[str, str]:
         assert self._staging is not None

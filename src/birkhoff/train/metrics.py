@@ -80,16 +80,22 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# only for runs that logged it (MoE models)
+MOE_PANEL = ("MoE expert load", ("moe_max_over_mean", "moe_rerouted_fraction"))
+
+
 def plot_run(metrics_path: Path, out_png: Path) -> Path:
-    """One PNG with a panel per concern: reward, losses, acceptance, memory, time per stage."""
+    """One PNG with a panel per concern: reward, losses, acceptance, memory, time per stage,
+    and the expert load of MoE runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = MetricsLog(metrics_path).rows()
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.6 * len(PANELS)), sharex=True)
-    for ax, (title, keys) in zip(axes, PANELS, strict=True):
+    panels = PANELS + ((MOE_PANEL,) if any("moe_max_over_mean" in r for r in rows) else ())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True)
+    for ax, (title, keys) in zip(axes, panels, strict=True):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if pts:

@@ -14,6 +14,11 @@ Design choices:
   synchronises once.
 - The learning rate comes from `lr_at(step, cfg)`, a pure function of the step, so resuming at
   step k reproduces the same schedule.
+- MoE models: after an applied optimizer step the router biases move toward balanced load
+  (`update_router_bias`, from the load this step's forward observed), and the step's metrics
+  carry that load (`load_metrics`: moe_max_load, moe_mean_load, moe_max_over_mean,
+  moe_rerouted_fraction, moe_balance_loss). Both are no-ops for a dense model. Under data
+  parallel the load is first summed over ranks, so every rank's biases stay equal.
 - A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
   changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
 - Data parallel (FSDP2, birkhoff.train.distributed): the loss function returns this rank's
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
+from birkhoff.model.moe import load_metrics, moe_layers, update_router_bias
 from birkhoff.model.mtp import combine_losses, shift_targets
 from birkhoff.recompute import track_saved_storages
 from birkhoff.train.config import TrainConfig
@@ -113,6 +119,14 @@ def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
     return combine_losses(main, mtp, cfg.mtp_loss_weight), metrics
 
 
+def sum_expert_load(model: nn.Module) -> None:
+    """Data parallel: every rank's expert load summed into each MoE layer, so that every rank
+    moves its router biases alike (a no-op in one process)."""
+    if world_size() > 1:
+        for _, layer in moe_layers(model):
+            layer.expert_load.copy_(global_sum(layer.expert_load))
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -143,10 +157,13 @@ def train_step(
     if hasattr(grad_norm, "full_tensor"):  # a DTensor when the gradients are FSDP2 shards
         grad_norm = grad_norm.full_tensor()
     applied = bool(torch.isfinite(grad_norm))
+    sum_expert_load(model)
+    load = load_metrics(model)  # before the bias moves: what this step's forward routed
     if applied:
         optimizer.step()
+        update_router_bias(model)
     optimizer.zero_grad(set_to_none=True)
-    floats = {name: float(value) for name, value in metrics.items()}
+    floats = {name: float(value) for name, value in metrics.items()} | load
     result = {"loss": float(global_sum(loss.detach()))}
     result.update(reduce_floats(floats, "mean", loss.device))
     result.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if applied else 1.0)
