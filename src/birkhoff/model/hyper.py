@@ -172,12 +172,6 @@ class HyperConnection(nn.Module):
         self.alpha = nn.Parameter(torch.full((3,), 0.01))
         self.bias = nn.Parameter(init_bias(S, home))
 
-    def coefficients(self, x_BTSD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return mhc_coefficients(
-            x_BTSD, self.phi, self.alpha, self.bias, iters=self.iters, norm_eps=self.norm_eps,
-            eps=self.eps, kernels=self.kernels,
-        )  # fmt: skip
-
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if use_fused(x_BTSD, self.kernels):  # one copy of the expanded input, not one per op
             x_BTSD = x_BTSD.contiguous()
