@@ -220,9 +220,8 @@ def alignment() -> dict[str, float]:
     return out
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The problem shape, dtype and repeats (shared with mhc_sweep.py)."""
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -230,6 +229,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--iters", type=int, default=20, help="Sinkhorn iterations")
     p.add_argument("--repeats", type=int, default=20)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    add_shape_args(p)
     p.add_argument("--alignment", action="store_true", help="V4 alignment numbers only (CPU)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)

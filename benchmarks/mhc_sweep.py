@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 from common import json_args
-from mhc_kernels import DTYPES, RESULTS, compulsory_bytes, copy_bandwidth, make_inputs, op_table
+from mhc_kernels import (
+    RESULTS,
+    add_shape_args,
+    compulsory_bytes,
+    copy_bandwidth,
+    make_inputs,
+    op_table,
+)
 from torch import Tensor
 
 from birkhoff.kernels import mhc_configs
@@ -165,13 +172,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="cuda",
         help="cpu: a smoke test under TRITON_INTERPRET=1 with tiny shapes",
     )
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--iters", type=int, default=20, help="Sinkhorn iterations")
-    p.add_argument("--repeats", type=int, default=20)
+    add_shape_args(p)
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -23,6 +23,13 @@ def check(cond: bool, field: str, value: object, why: str) -> None:
         raise ValueError(f"{field}={value!r} is invalid: {why}")
 
 
+def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:
+    """Raise a ValueError naming the keys of `data` that are not fields of dataclass `cls`."""
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Shape and numerics of an mHC + MTP decoder-only transformer."""
@@ -113,10 +120,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"ModelConfig: unknown field(s) {unknown}")
+        reject_unknown_fields(cls, data)
         if isinstance(data.get("moe"), dict):
             data = {**data, "moe": MoEConfig.from_dict(data["moe"])}
         return cls(**data)
@@ -159,10 +163,7 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MoEConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"MoEConfig: unknown field(s) {unknown}")
+        reject_unknown_fields(cls, data)
         return cls(**data)
 
 

@@ -264,12 +264,13 @@ class SqueezeStreams(nn.Module):
         return single_stream(x_BTSD)
 
 
-def build_contraction(
-    dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto"
-) -> nn.Module:
-    if num_streams == 1:
+def build_contraction(cfg: ModelConfig) -> nn.Module:
+    """The output contraction of the main model or of one MTP depth (S = 1: the single stream)."""
+    if cfg.num_streams == 1:
         return SqueezeStreams()
-    return StreamContraction(dim, num_streams, norm_eps=norm_eps, eps=eps, kernels=kernels)
+    return StreamContraction(
+        cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels
+    )
 
 
 # Pure functions the trainer's modules above and the engine's forward both call, so a fused

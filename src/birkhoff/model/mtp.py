@@ -66,13 +66,7 @@ class MTPDepth(nn.Module):
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(cfg, index=cfg.num_layers + depth)
-        self.contraction = build_contraction(
-            cfg.dim,
-            cfg.num_streams,
-            norm_eps=cfg.norm_eps,
-            eps=cfg.mhc_eps,
-            kernels=cfg.mhc_kernels,
-        )
+        self.contraction = build_contraction(cfg)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def check_streams(self, h: Tensor) -> None:

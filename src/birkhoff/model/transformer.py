@@ -58,13 +58,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks: list[Block] = [Block(cfg, i) for i in range(cfg.num_layers)]
         self.layers = nn.ModuleList(self.blocks)  # typed list above, registered modules here
-        self.contraction = build_contraction(
-            cfg.dim,
-            cfg.num_streams,
-            norm_eps=cfg.norm_eps,
-            eps=cfg.mhc_eps,
-            kernels=cfg.mhc_kernels,
-        )
+        self.contraction = build_contraction(cfg)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp_depths: list[MTPDepth] = [MTPDepth(cfg, k) for k in range(cfg.mtp_depth)]
