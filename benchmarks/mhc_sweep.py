@@ -46,9 +46,11 @@ from torch import Tensor
 from birkhoff.kernels import mhc_configs
 
 OPS_OF_KEY = {  # CONFIG key -> (op, backward) pairs whose time it changes
-    "coeff_fwd": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
+    "coeff_proj": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
+    "coeff_tail": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
     "coeff_bwd": [("coefficients", True)],
-    "rms_grad": [("coefficients", True)],
+    "grad_x": [("coefficients", True)],
+    "grad_phi": [("coefficients", True)],
     "mix": [("mix_in", False), ("mix_in", True), ("mix_out", False), ("mix_out", True)],
 }
 SUBLAYER = [("sublayer", False), ("sublayer", True)]

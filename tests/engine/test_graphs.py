@@ -169,3 +169,32 @@ def test_graph_steps_give_the_eager_greedy_tokens(
     captured = graphed.graphs.num_captured
     assert [c.tokens for c in graphed.generate(PROMPTS, params)] == [c.tokens for c in ref]
     assert graphed.graphs.num_captured == captured  # the second call only replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_queued_plain_steps_never_wait_for_the_device(
+    trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain step is queued while the previous one runs: building its chunk, replaying its
+    graph and sampling must not synchronise with the device (torch's sync debug mode raises on
+    any synchronising call, e.g. a pageable host-to-device copy)."""
+    from birkhoff.engine import decode
+
+    engine = Engine.from_model(copy.deepcopy(trained_model).cuda(), device="cuda", max_batch_size=4)
+    params = [SamplingParams(12 + 5 * i, temperature=float(i % 2), seed=3) for i in range(6)]
+    engine.generate(PROMPTS, params)  # capture the graphs first (capture synchronises)
+    queue, queued = decode.Generation.queue_plain_step, []
+
+    def checked(self: decode.Generation, rows: list[int]) -> decode.PlainStep:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = queue(self, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        queued.append(len(rows))
+        return step
+
+    monkeypatch.setattr(decode.Generation, "queue_plain_step", checked)
+    out = engine.generate(PROMPTS, params)
+    assert len(queued) >= 12 and all(c.tokens for c in out)

@@ -71,25 +71,34 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
     f32, xt = "*fp32", f"*{dtype}"
     ptrs = ("phit_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
             "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
-            "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr")  # fmt: skip
+            "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr", "part_ptr", "sq_ptr")  # fmt: skip
     types = {n: f32 for n in ptrs} | {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr")}
     types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
-    types |= dict(iters="i32")
+    types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
     types |= dict(norm_eps="fp32", hc_eps="fp32")
     usage = {}
     for P in (S * S + 2 * S, S):
         SP, PP = mhc._pads(S, P)
         consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S)
-        const, launch = split(mhc._launch("coeff_fwd", x, S))
-        usage[f"coeff_fwd/{P}"] = compile_for_h200(
-            K.coeff_fwd, types, consts | const | dict(PP=PP), launch
+        const, launch = split(mhc._launch("coeff_proj", x, S))
+        const.pop("PROGRAMS")
+        usage[f"coeff_proj/{P}"] = compile_for_h200(
+            K.coeff_proj, types, const | dict(PP=PP), launch
+        )
+        const, launch = split(mhc._launch("coeff_tail", x, S))
+        usage[f"coeff_tail/{P}"] = compile_for_h200(
+            K.coeff_tail, types, consts | const | dict(PP=PP), launch
         )
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
-        const, launch = split(mhc._launch("rms_grad", x, S))
+        const, launch = split(mhc._launch("grad_x", x, S))
         for mix in (True, False):
-            consts = dict(P=P, PP=PP, MIX=mix) | const
-            usage[f"rms_grad/{P}/{mix}"] = compile_for_h200(K.rms_grad, types, consts, launch)
+            usage[f"grad_x/{P}/{mix}"] = compile_for_h200(
+                K.grad_x, types, dict(P=P, MIX=mix) | const, launch
+            )
+        const, launch = split(mhc._launch("grad_phi", x, S))
+        split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16") | const
+        usage[f"grad_phi/{P}"] = compile_for_h200(K.grad_phi, types, split_bf16, launch)
     const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)

@@ -38,6 +38,7 @@ from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, RequestRandom
 from birkhoff.engine.sampling import RowSampling, SamplingParams, sampling_probs, target_logprobs
 from birkhoff.engine.scheduler import Scheduler
 from birkhoff.engine.speculative import SpecStats, accept_drafts
+from birkhoff.engine.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,7 @@ class Generation:
         )
 
     def n_of(self, rows: list[int]) -> Tensor:
-        return torch.tensor([self.n[i] for i in rows], device=self.device)
+        return to_device([self.n[i] for i in rows], self.device)
 
     def sample_logits(
         self, logits_AV: Tensor, rows_A: Tensor, repeat: int = 1
@@ -157,7 +158,7 @@ class Generation:
         tokens_AT = torch.zeros(chunk.valid_AT.shape, dtype=torch.long)
         for a, (_, r) in enumerate(admitted):
             tokens_AT[a, : len(self.prompts[r])] = torch.tensor(self.prompts[r])
-        tokens_AT = tokens_AT.to(self.device)
+        tokens_AT = to_device(tokens_AT, self.device)
         self.tokens_BN[chunk.rows_A, : tokens_AT.shape[1]] = tokens_AT
         ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
         if self.drafter is not None:
@@ -234,7 +235,7 @@ class Generation:
             token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
             tokens_AT = self.tokens_BN[rows_A[:, None], token_pos_AT]
             h_prev_ATSD = self.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
-            last_A = n_A - 1 - torch.tensor(starts, device=self.device)
+            last_A = n_A - 1 - to_device(starts, self.device)
             h_ATSD, logits_AV = self.steps.draft(k - 1, rows, chunk, h_prev_ATSD, tokens_AT, last_A)
             if k < self.num_drafts:
                 self.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
@@ -249,7 +250,7 @@ class Generation:
 
     def speculative_step(self, rows: list[int]) -> None:
         J = self.num_drafts
-        rows_A = torch.tensor(rows, device=self.device)
+        rows_A = to_device(rows, self.device)
         drafts_AJ, q_AJV = self.draft(rows, rows_A)
         assert self.drafter is not None
         chunk = self.chunk(rows, [self.n[i] for i in rows], [J + 1] * len(rows))

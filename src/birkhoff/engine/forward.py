@@ -31,6 +31,7 @@ from birkhoff.config import ModelConfig
 from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
+from birkhoff.engine.transfer import to_device
 from birkhoff.model.hyper import (
     coefficients_and_mix_in,
     contract,
@@ -67,12 +68,12 @@ def make_chunk(
     assert min(lengths) >= 1 and min(starts) >= 0, (starts, lengths)
     T, limit = max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
     assert limit < trash, f"chunk reaches position {limit - 1}, cache trash slot is {trash}"
-    starts_A = torch.tensor(starts, device=device)
+    starts_A = to_device(starts, device)
     offsets_T = torch.arange(T, device=device)
-    valid_AT = offsets_T[None, :] < torch.tensor(lengths, device=device)[:, None]
+    valid_AT = offsets_T[None, :] < to_device(lengths, device)[:, None]
     positions_AT = torch.where(valid_AT, starts_A[:, None] + offsets_T, trash)
     prefix = len(rows) if rows == list(range(len(rows))) else None
-    rows_A = torch.tensor(rows, device=device)
+    rows_A = to_device(rows, device)
     return chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=rope, limit=limit)
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from birkhoff.config import check
+from birkhoff.engine.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +81,18 @@ class RowSampling(NamedTuple):
             not g and (p.top_k > 0 or p.top_p < 1) for p, g in zip(params, greedy, strict=True)
         )
         return cls(
-            torch.tensor(
+            to_device(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                device=device,
+                device,
+                torch.float32,
             ),
-            torch.tensor(
-                [0 if g else p.top_k for p, g in zip(params, greedy, strict=True)], device=device
+            to_device([0 if g else p.top_k for p, g in zip(params, greedy, strict=True)], device),
+            to_device(
+                [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)],
+                device,
+                torch.float32,
             ),
-            torch.tensor(
-                [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)], device=device
-            ),
-            torch.tensor(greedy, device=device),
+            to_device(greedy, device, torch.bool),
             filtered,
         )
 

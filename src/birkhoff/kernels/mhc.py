@@ -12,16 +12,19 @@ Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tens
 recompute registry) see them.
 
 Design choices:
-- The projection raw = x @ phi^T (P = 24 at S = 4) runs inside the coefficient kernel, in the
-  same pass over x as the RMS (on the unnormalised streams: the RMS scale is a per-token scalar
-  applied to the logits), on tensor cores: "tf32x3" (three TF32 products, ~fp32 accurate) for
-  bf16/fp16 streams, an fp32 "ieee" dot for fp32 streams, so the fp32 logits match the eager
-  ones. Only x in its own dtype is saved (shared with what the mixes save), never an fp32 copy.
-  In the backward one kernel (`rms_grad`) reads x once for g_x = g_raw phi + the RMS term and for
-  g_phi = g_raw^T x, the latter as per-program partials over `CONFIG["rms_grad"]["TOKENS"]`
-  tokens that torch sums in a fixed order (deterministic, unlike atomics).
+- The projection raw = x @ phi^T (P = 24 at S = 4) runs in the same pass over x as the RMS (on
+  the unnormalised streams: the RMS scale is a per-token scalar applied to the logits), on
+  tensor cores: "tf32x3" (three TF32 products, ~fp32 accurate) for bf16/fp16 streams, an fp32
+  "ieee" dot for fp32 streams, so the fp32 logits match the eager ones. The columns are split
+  over programs (`coeff_proj`, partial sums) so that decode's few tokens fill the GPU too; a
+  second kernel (`coeff_tail`) sums the splits in a fixed order and runs the per-token rest.
+  Only x in its own dtype is saved (shared with what the mixes save), never an fp32 copy.
+  The backward reads x twice more: `grad_x` writes g_x = g_raw phi + the RMS term (P exact
+  fp32 FMAs per element), `grad_phi` reduces g_phi = g_raw^T x as partials over
+  `CONFIG["grad_phi"]["TOKENS"]` tokens that torch sums in a fixed order (deterministic, unlike
+  atomics); one kernel doing both held too many registers to keep enough loads in flight.
 - One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
-  backward folds g_y into g_H_pre and adds H_pre g_y to rms_grad's g_x, so x's gradient from the
+  backward folds g_y into g_H_pre and adds H_pre g_y to grad_x's g_x, so x's gradient from the
   coefficients and the mix in is written once.
 - Launch parameters live in `mhc_configs.CONFIG` (per kernel: tile sizes, num_warps,
   num_stages), read at every call; `benchmarks/mhc_sweep.py` times the variants on an H200
@@ -43,6 +46,7 @@ from torch import Tensor
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc_configs import CONFIG, Launch
 from birkhoff.kernels.mhc_mix import (
+    INTERPRET,
     cdiv,
     check_inputs,
     mix_in,
@@ -68,16 +72,35 @@ def _pads(S: int, P: int) -> tuple[int, int]:
 
 def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
     """CONFIG[name] (its "_fp32" entry for fp32 streams) for S streams, tuned at S = 4: for
-    S > 4 the coefficient kernels' token block shrinks (their Sinkhorn state is BN x SP x SP),
-    and so do rms_grad's blocks (g_phi accumulator PP x BC, g_raw BN x PP)."""
+    S > 4 the coefficient kernels' token block shrinks (their Sinkhorn state is BN x SP x SP,
+    the projection BN x PP), and so do grad_phi's blocks (accumulator PP x BC, g_raw BN x PP)."""
     fp32 = x is not None and x.dtype == torch.float32 and f"{name}_fp32" in CONFIG
     cfg = dict(CONFIG[f"{name}_fp32" if fp32 else name])
     if name.startswith("coeff"):
         cfg["BN"] = max(16, int(cfg["BN"]) * 16 // max(16, pad_streams(S) ** 2))
-    if name == "rms_grad":  # its g_phi accumulator is PP x BC, g_raw BN x PP
+    if name == "grad_phi":
         shrink = max(32, _pads(S, S * S + 2 * S)[1]) // 32
         cfg["BC"], cfg["BN"] = (max(16, int(cfg[k]) // shrink) for k in ("BC", "BN"))
     return cfg
+
+
+def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor, Tensor, int]:
+    """coeff_proj's partial (projection [splits, N, PP], sum of squares [splits, N], splits):
+    the columns are split until the grid has about CONFIG's PROGRAMS programs."""
+    C = x_BTSD.shape[-2] * x_BTSD.shape[-1]
+    cfg = _launch("coeff_proj", x_BTSD, x_BTSD.shape[-2])
+    bn = min(int(cfg["BN"]), max(16, pow2(N)))  # tl.dot needs >= 16 rows
+    bc, blocks = int(cfg.pop("BC")), cdiv(N, bn)
+    splits = max(1, min(cdiv(C, bc), int(cfg.pop("PROGRAMS")) // blocks))
+    chunk = cdiv(cdiv(C, splits), bc) * bc
+    splits = cdiv(C, chunk)
+    part = x_BTSD.new_empty((splits, N, PP), dtype=torch.float32)
+    sq = x_BTSD.new_empty((splits, N), dtype=torch.float32)
+    cfg["BN"] = bn
+    K.coeff_proj[(blocks, splits)](
+        x_BTSD, _phi_t(phi_PC, PP), part, sq, N, C, chunk, PP=PP, BC=bc, **cfg
+    )
+    return part, sq, splits
 
 
 def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
@@ -97,15 +120,14 @@ def _coefficients_op(
     pre, post, res, y_BTD, raw_BTP, rstd = _coefficients_fake(x_BTSD, phi_PC, with_res, with_mix)
     S, D = x_BTSD.shape[-2:]
     N, C, P = rstd.numel(), S * D, phi_PC.shape[0]
-    (SP, PP), cfg = _pads(S, P), _launch("coeff_fwd", x_BTSD, S)
-    cfg["MIX_IN"] = int(with_mix and bool(cfg["MIX_IN"]))  # else the mix-in kernel runs after
+    (SP, PP), cfg = _pads(S, P), _launch("coeff_tail", x_BTSD, S)
     if N:
-        K.coeff_fwd[(cdiv(N, int(cfg["BN"])),)](
-            x_BTSD, _phi_t(phi_PC, PP), raw_BTP, alpha, bias_P,
-            pre, post, res, rstd, y_BTD if cfg["MIX_IN"] else rstd, N, C, D, norm_eps, eps, iters,
-            S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, **cfg,
+        part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
+        K.coeff_tail[(cdiv(N, int(cfg["BN"])),)](
+            part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
+            N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, **cfg,
         )  # fmt: skip
-    if N and with_mix and not cfg["MIX_IN"]:
+    if N and with_mix:
         mix_in_into(y_BTD, x_BTSD, pre)
     return pre, post, res, y_BTD, raw_BTP, rstd
 
@@ -153,12 +175,21 @@ def _coefficients_bwd_op(
         raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT, scratch,
         N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
     )  # fmt: skip
-    cfg = _launch("rms_grad", x_BTSD)
+    cfg = _launch("grad_x", x_BTSD)
+    grid = (cdiv(N, int(cfg["BN"])), cdiv(C, int(cfg["BC"])))
+    phi_f32 = phi_PC.float().contiguous()
+    K.grad_x[grid](
+        g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, N, C, D, S,
+        P=P, MIX=mix, **cfg,
+    )  # fmt: skip
+    cfg = _launch("grad_phi", x_BTSD, S)
     tokens = int(cfg.pop("TOKENS"))
     partials = g_raw.new_empty((cdiv(N, tokens), PP, C))  # g_phi per block of tokens
-    K.rms_grad[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
-        g_raw, phi_PC.float().contiguous(), x_BTSD, coef_BT, g_x, partials,
-        g_y if mix else g_raw, pre, N, C, D, S, tokens, P=P, PP=PP, MIX=mix, **cfg,
+    # the Triton interpreter (3.9) computes bf16 x bf16 dots wrongly: it runs the fp32 dot there,
+    # and the split path is checked on the GPU (tests/kernels/test_mhc_gpu.py)
+    split = x_BTSD.dtype == torch.bfloat16 and not INTERPRET
+    K.grad_phi[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
+        g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP, SPLIT=split, **cfg
     )  # fmt: skip
     g_phi = partials.sum(0)[:P].to(phi_PC.dtype)
     return g_x, g_phi, g_a

@@ -22,7 +22,7 @@ from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels.mhc_configs import CONFIG
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 
 
 def pow2(n: int) -> int:
@@ -38,7 +38,7 @@ def check_inputs(*tensors: Tensor) -> None:
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"mhc_kernels='triton': dtype={t.dtype} is not fp32/bf16/fp16")
-        if not t.is_cuda and not _INTERPRET:
+        if not t.is_cuda and not INTERPRET:
             raise ValueError(f"mhc_kernels='triton': device={t.device} needs CUDA")
 
 

@@ -4,22 +4,25 @@ Legend: N tokens (B*T flattened), S streams (SP: S padded to a power of two), D 
 C = S*D, P logits per token (S*S + 2S for a hyper-connection, S for the output contraction),
 PP: P padded to a power of two (>= 16).
 
-- `coeff_fwd`: one pass over the flattened streams gives the sum of squares -> rstd and the
+- `coeff_proj`: one pass over the flattened streams gives the sum of squares and the
   projection raw = x @ phi^T on tensor cores (PREC "tf32x3" for bf16/fp16 streams: three TF32
   products, ~fp32 accurate, and bf16 values are exact in TF32; "ieee" for fp32 streams, so the
-  fp32 path equals the eager one); logits = raw * rstd; alpha * logits + bias;
+  fp32 path equals the eager one), as partial sums over splits of the C columns, so a few tokens
+  (decode) still spread over many programs; phi comes transposed and zero-padded to [C, PP], so
+  its loads are coalesced and unmasked.
+- `coeff_tail`: sums the splits; logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
-  phi comes transposed and zero-padded to [C, PP], so its loads are coalesced and unmasked.
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
   scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
   denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
   normalisation k is the state after it times its denominators, so no state is stored and
   nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
   rounding).
-- `rms_grad`: reads x once more for g_x = g_raw @ phi + that term (+ the mix in's h g_y when
-  the op also mixed in, so g_x is written once) and for g_phi = g_raw^T @ x (per-program
-  partials, summed by the caller), both dots on tensor cores with PREC.
+- `grad_x`: g_x = g_raw @ phi + that term (+ the mix in's h g_y when the op also mixed in, so
+  g_x is written once), P exact fp32 FMAs per element.
+- `grad_phi`: g_phi = g_raw^T @ x as partials over blocks of tokens, summed by the caller, on
+  tensor cores (bf16 x: g_raw split into three bf16 terms, x read as stored).
 Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
 """
 
@@ -97,28 +100,51 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def coeff_fwd(
-    x_ptr, phit_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr, y_ptr,
-    N, C, D, norm_eps, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-    WITH_RES: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-    MIX_IN: tl.constexpr, BD: tl.constexpr,
+def coeff_proj(
+    x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK,
+    PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """MIX_IN: also y = sum_j H_pre[j] x_j [N, D], re-reading this program's rows of x (just
-    streamed, so partly from L2) in [BN, BD] tiles."""
+    """This program's share of one pass over x: over BN tokens and the CHUNK columns (a multiple
+    of BC) of split program_id(1), the sum of squares -> sq [splits, N] and the projection
+    x @ phi^T -> part [splits, N, PP]."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
     p = tl.arange(0, PP)
     sq = tl.zeros([BN], dtype=tl.float32)
     raw = tl.zeros([BN, PP], dtype=tl.float32)
-    for c0 in range(0, C, BC):  # one pass over x: sum of squares and the projection
+    start = tl.program_id(1) * CHUNK
+    for c0 in range(start, tl.minimum(start + CHUNK, C), BC):
         c = c0 + tl.arange(0, BC)
         ok = n_ok[:, None] & (c < C)[None, :]
         xv = tl.load(x_ptr + n64[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
         sq += tl.sum(xv * xv, axis=1)
         phi_t = tl.load(phit_ptr + c[:, None] * PP + p[None, :], mask=(c < C)[:, None], other=0.0)
         raw = tl.dot(xv, phi_t, raw, input_precision=PREC)
+    row = tl.program_id(1).to(tl.int64) * N + n64
+    tl.store(part_ptr + row[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
+    tl.store(sq_ptr + row, sq, mask=n_ok)
+
+
+@triton.jit
+def coeff_tail(
+    part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
+    N, C, SPLITS, norm_eps, hc_eps, iters,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+    WITH_RES: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
+    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    p = tl.arange(0, PP)
+    sq = tl.zeros([BN], dtype=tl.float32)
+    raw = tl.zeros([BN, PP], dtype=tl.float32)
+    for k in range(SPLITS):
+        row = k * N + n64
+        raw += tl.load(part_ptr + row[:, None] * PP + p[None, :], mask=n_ok[:, None], other=0.0)
+        sq += tl.load(sq_ptr + row, mask=n_ok, other=0.0)
     # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
     # code below reads; the barrier makes every thread's stores visible to the whole program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
@@ -142,16 +168,6 @@ def coeff_fwd(
         a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
         m = _state_before(a_res, valid, 2 * iters, hc_eps)
         tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
-    if MIX_IN:
-        for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            ok = n_ok[:, None] & (d < D)[None, :]
-            y = tl.zeros([BN, BD], dtype=tl.float32)
-            for j in tl.static_range(S):
-                h = tl.sum(tl.where(s == j, h_pre, 0.0), axis=1)
-                xv = tl.load(x_ptr + n64[:, None] * C + j * D + d[None, :], mask=ok, other=0.0)
-                y += h[:, None] * xv.to(tl.float32)
-            tl.store(y_ptr + n64[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -210,37 +226,64 @@ def coeff_bwd(
 
 
 @triton.jit
-def rms_grad(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gphi_ptr, gy_ptr, h_ptr, N, C, D, S, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, MIX: tl.constexpr, PREC: tl.constexpr,
+def grad_x(
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, N, C, D, S,
+    P: tl.constexpr, MIX: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
+    column c is stream j = c // D) over a [BN, BC] tile, written once in the dtype of x. The
+    product has only P terms: exact fp32 FMAs, no tensor cores."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    ok = n_ok[:, None] & (c < C)[None, :]
+    offs = n64[:, None] * C + c[None, :]
+    coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
+    g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
+        g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
+        g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c < C, other=0.0)[None, :]
+    if MIX:
+        h = tl.load(h_ptr + n64[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
+        gy = tl.load(gy_ptr + n64[:, None] * D + (c % D)[None, :], mask=ok, other=0.0)
+        g += h * gy.to(tl.float32)
+    tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def grad_phi(
+    graw_ptr, x_ptr, gphi_ptr, N, C, TOKENS,
+    P: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
     BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """One read of x for both input-side gradients of the projection and the RMS scale:
-    g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX; column
-    c is stream j = c // D), written once in the dtype of x, and this program's share of
-    g_phi = g_raw^T @ x over its TOKENS tokens (a partial [PP, BC] block; the caller sums the
-    partials in a fixed order, so g_phi is deterministic)."""
+    """This program's partial g_phi = g_raw^T @ x over its TOKENS tokens and BC columns, a
+    [PP, BC] block of gphi [N / TOKENS, PP, C] (the caller sums the blocks in a fixed order, so
+    g_phi is deterministic). SPLIT (bf16 x): g_raw is the sum of three bf16 terms (24
+    significant bits, as fp32), each a bf16 tensor-core dot with x as stored, whose products are
+    exact and accumulate in fp32; otherwise x in fp32 and a PREC dot."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     p = tl.arange(0, PP)
-    phi = tl.load(phi_ptr + p[:, None] * C + c[None, :], mask=(p < P)[:, None] & (c < C)[None, :],
-                  other=0.0)  # fmt: skip
     acc = tl.zeros([PP, BC], dtype=tl.float32)
     start = tl.program_id(0) * TOKENS
     for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
         n = n0 + tl.arange(0, BN)
         n_ok = n < N
-        ok = n_ok[:, None] & (c < C)[None, :]
-        offs = n.to(tl.int64)[:, None] * C + c[None, :]
-        g_raw = tl.load(graw_ptr + n.to(tl.int64)[:, None] * P + p[None, :],
-                        mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
-        coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
-        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        g = tl.dot(g_raw, phi, input_precision=PREC) + coef[:, None] * xv
-        if MIX:
-            h = tl.load(h_ptr + n.to(tl.int64)[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
-            gy_at = gy_ptr + n.to(tl.int64)[:, None] * D + (c % D)[None, :]
-            g += h * tl.load(gy_at, mask=ok, other=0.0).to(tl.float32)
-        tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
-        acc = tl.dot(tl.trans(g_raw), xv, acc, input_precision=PREC)
+        n64 = n.to(tl.int64)
+        g = tl.load(graw_ptr + n64[:, None] * P + p[None, :],
+                    mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
+        g_t = tl.trans(g)
+        xv = tl.load(x_ptr + n64[:, None] * C + c[None, :], mask=n_ok[:, None] & (c < C)[None, :],
+                     other=0.0)  # fmt: skip
+        if SPLIT:
+            hi = g_t.to(tl.bfloat16)
+            rest = g_t - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(hi, xv, acc)
+            acc = tl.dot(mid, xv, acc)
+            acc = tl.dot(lo, xv, acc)
+        else:
+            acc = tl.dot(g_t, xv.to(tl.float32), acc, input_precision=PREC)
     part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
     tl.store(part + p[:, None] * C + c[None, :], acc, mask=(c < C)[None, :])
