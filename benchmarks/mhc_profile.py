@@ -103,7 +103,8 @@ def main(argv: list[str]) -> int:
     out = args.out or RESULTS / f"mhc_profile-cuda-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: round(sum(v.values()), 1) for k, v in result.items() if k[0] in "td"}))
+    totals = {k: v for k, v in result.items() if k.startswith(("train", "decode"))}
+    print(json.dumps({k: round(sum(v.values()), 1) for k, v in totals.items()}))
     return 0
 
 

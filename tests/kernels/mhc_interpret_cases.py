@@ -40,6 +40,9 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_contraction(Case(S=2, D=40, B=2, T=17), "cpu")
+    # one decode token: 5 column splits, summed two per load (2 + 2 + a masked 1)
+    monkeypatch.setattr(mhc, "TAIL_ELEMENTS", 2 * 16 * 32)
+    check_hyper(Case(S=4, D=40, B=1, T=1, iters=3), "cpu", joint=True)
 
 
 def test_bf16_streams_match_eager() -> None:

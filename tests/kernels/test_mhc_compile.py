@@ -86,8 +86,9 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
             K.coeff_proj, types, const | dict(PP=PP), launch
         )
         const, launch = split(mhc._launch("coeff_tail", x, S))
+        kb = max(1, mhc.TAIL_ELEMENTS // (int(const["BN"]) * PP))  # decode's widest load
         usage[f"coeff_tail/{P}"] = compile_for_h200(
-            K.coeff_tail, types, consts | const | dict(PP=PP), launch
+            K.coeff_tail, types, consts | const | dict(PP=PP, KB=kb), launch
         )
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)

@@ -84,6 +84,9 @@ def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
     return cfg
 
 
+TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
+
+
 def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor, Tensor, int]:
     """coeff_proj's partial (projection [splits, N, PP], sum of squares [splits, N], splits):
     the columns are split until the grid has about CONFIG's PROGRAMS programs."""
@@ -123,9 +126,12 @@ def _coefficients_op(
     (SP, PP), cfg = _pads(S, P), _launch("coeff_tail", x_BTSD, S)
     if N:
         part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
-        K.coeff_tail[(cdiv(N, int(cfg["BN"])),)](
+        cfg["BN"] = bn = min(int(cfg["BN"]), max(16, pow2(N)))
+        kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
+        K.coeff_tail[(cdiv(N, bn),)](
             part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
-            N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, **cfg,
+            N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, KB=kb,
+            **cfg,
         )  # fmt: skip
     if N and with_mix:
         mix_in_into(y_BTD, x_BTSD, pre)

@@ -21,7 +21,7 @@ from __future__ import annotations
 Launch = dict[str, int | str]
 
 CONFIG: dict[str, Launch] = {
-    "coeff_proj": dict(BN=64, BC=64, num_warps=4, num_stages=3, PREC="tf32x3", PROGRAMS=528),
+    "coeff_proj": dict(BN=64, BC=64, num_warps=4, num_stages=3, PREC="tf32x3", PROGRAMS=1056),
     "coeff_proj_fp32": dict(BN=32, BC=32, num_warps=4, num_stages=2, PREC="ieee", PROGRAMS=528),
     "coeff_tail": dict(BN=32, num_warps=4),
     "coeff_bwd": dict(BN=16, num_warps=2),
@@ -37,8 +37,8 @@ SWEEP: dict[str, dict[str, Launch]] = {
         "coeff_proj": dict(CONFIG["coeff_proj"], BN=128, BC=32, num_warps=8)
     },
     "coeff_proj/BN32-BC64": {"coeff_proj": dict(CONFIG["coeff_proj"], BN=32)},
-    "coeff_proj/programs1056": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=1056)},
-    "coeff_proj/programs264": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=264)},
+    "coeff_proj/programs2112": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=2112)},
+    "coeff_proj/programs528": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=528)},
     "coeff_tail/BN16-w2": {"coeff_tail": dict(BN=16, num_warps=2)},
     "coeff_tail/BN64-w4": {"coeff_tail": dict(BN=64, num_warps=4)},
     "coeff_bwd/BN32-w4": {"coeff_bwd": dict(BN=32, num_warps=4)},

@@ -131,20 +131,26 @@ def coeff_tail(
     part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
     N, C, SPLITS, norm_eps, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-    WITH_RES: tl.constexpr, BN: tl.constexpr,
+    WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
-    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers."""
+    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
+    read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
+    one split per loop step would wait out a memory latency per split."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
     p = tl.arange(0, PP)
     sq = tl.zeros([BN], dtype=tl.float32)
     raw = tl.zeros([BN, PP], dtype=tl.float32)
-    for k in range(SPLITS):
-        row = k * N + n64
-        raw += tl.load(part_ptr + row[:, None] * PP + p[None, :], mask=n_ok[:, None], other=0.0)
-        sq += tl.load(sq_ptr + row, mask=n_ok, other=0.0)
+    kb = tl.arange(0, KB)
+    for k0 in range(0, SPLITS, KB):
+        row = (k0 + kb)[:, None] * N + n64[None, :]  # [KB, BN]
+        ok = ((k0 + kb) < SPLITS)[:, None] & n_ok[None, :]
+        part = tl.load(part_ptr + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None],
+                       other=0.0)  # fmt: skip
+        raw += tl.sum(part, axis=0)
+        sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
     # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
     # code below reads; the barrier makes every thread's stores visible to the whole program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
