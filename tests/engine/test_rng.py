@@ -29,7 +29,7 @@ def test_splitmix64_matches_the_uint64_reference(device: str) -> None:
 def test_uniforms_are_keyed_and_uniform() -> None:
     rng = RequestRandom(3, torch.device("cpu"))
     for row, request in enumerate((0, 1, 0)):
-        rng.assign(row, RequestRandom.request_key(seed=7, request=request))
+        rng.assign([row], [RequestRandom.request_key(seed=7, request=request)])
     positions = torch.arange(20000)
     rows = torch.zeros_like(positions)
     u0 = rng.uniform(rows, positions, SAMPLE)

@@ -150,9 +150,9 @@ class Generation:
         for row, r in admitted:
             self.n[row] = len(self.prompts[r]) - 1  # prefill runs the last prompt token too
             self.row_params[row] = self.params[r]
-            self.rng.assign(row, RequestRandom.request_key(self.seed, r))
             for valid in self.valid:
                 valid[row] = 0
+        self.rng.assign(rows, [RequestRandom.request_key(self.seed, r) for _, r in admitted])
         self.sampling = RowSampling.build(self.row_params, self.device)
         chunk = self.chunk(rows, [0] * len(rows), [self.n[i] + 1 for i in rows])
         tokens_AT = torch.zeros(chunk.valid_AT.shape, dtype=torch.long)

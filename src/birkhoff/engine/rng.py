@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from birkhoff.engine.transfer import to_device
+
 SAMPLE = 0  # draw tags within a step
 DRAFT = 0  # DRAFT + k for the draft of depth k = 1..MAX_DRAFTS
 ACCEPT = 32  # ACCEPT + j for the acceptance test of draft j = 1..MAX_DRAFTS
@@ -85,8 +87,9 @@ class RequestRandom:
         state = splitmix64_reference(seed & _M64)
         return _signed(splitmix64_reference(state ^ request))
 
-    def assign(self, row: int, key: int) -> None:
-        self.keys_R[row] = key
+    def assign(self, rows: list[int], keys: list[int]) -> None:
+        """Give each row in `rows` its request's key (one queued copy, no host sync)."""
+        self.keys_R[to_device(rows, self.device)] = to_device(keys, self.device)
 
     def uniform(self, rows: Tensor, positions: Tensor, tags: int | Tensor) -> Tensor:
         assert isinstance(tags, Tensor) or 0 <= tags < _TAGS, tags
