@@ -1,7 +1,8 @@
 """Whole-model checks with the fused mHC ops, shared by the interpreter and the CUDA tests.
 
 - a train step (loss + every parameter gradient) with mhc_kernels="triton" vs "eager";
-- engine greedy tokens (plain and MTP-speculative) with the fused vs the eager ops;
+- engine greedy tokens (plain and MTP-speculative) with the fused vs the eager ops (mHC, RMSNorm,
+  rope);
 - full recompute with safe reclaim: checkpointed blocks rerun the fused kernels, the registry
   sees what they save (reclaim decisions as in the eager model), nothing leaks, and the sanitizer
   finds no use-after-free.
@@ -9,8 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -80,36 +80,19 @@ def check_train_step(
         assert err <= grad_tol * max(1e-3, g.abs().max().item()), (name, err)
 
 
-@contextmanager
-def engine_kernels(fused: bool) -> Iterator[None]:
-    """The engine calls hyper's functions with kernels="auto"; this pins what auto means."""
-    original = hyper.use_fused
-
-    def pinned(x: Tensor, kernels: str) -> bool:
-        return fused if kernels == "auto" else original(x, kernels)
-
-    hyper.use_fused = pinned  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        hyper.use_fused = original  # type: ignore[assignment]
-
-
 def check_engine_greedy(device: str, *, num_new: int = 8) -> None:
     from birkhoff.engine import Engine, SamplingParams
 
-    cfg = tiny_config(mtp_depth=2)
-    model = build_model(cfg, device)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     tokens = {}
-    for fused in (True, False):
-        with engine_kernels(fused):
-            engine = Engine.from_model(model, device=device, dtype=torch.float32)
-            plain = engine.generate(prompts, SamplingParams(num_new))
-            spec = engine.generate(prompts, SamplingParams(num_new, num_speculative_tokens=2))
-        tokens[fused] = ([c.tokens for c in plain], [c.tokens for c in spec])
-    assert tokens[True] == tokens[False]
-    assert tokens[True][0] == tokens[True][1]  # greedy speculative == plain
+    for kernels in ("triton", "eager"):  # the engine's mHC ops, norms and rope all follow it
+        model = build_model(tiny_config(mtp_depth=2, mhc_kernels=kernels), device)
+        engine = Engine.from_model(model, device=device, dtype=torch.float32)
+        plain = engine.generate(prompts, SamplingParams(num_new))
+        spec = engine.generate(prompts, SamplingParams(num_new, num_speculative_tokens=2))
+        tokens[kernels] = ([c.tokens for c in plain], [c.tokens for c in spec])
+    assert tokens["triton"] == tokens["eager"]
+    assert tokens["triton"][0] == tokens["triton"][1]  # greedy speculative == plain
 
 
 def check_safe_reclaim(device: str, *, shape: tuple[int, int] = (2, 12)) -> None:

@@ -1,4 +1,5 @@
-"""Runs mhc_interpret_cases.py in a fresh process with TRITON_INTERPRET=1.
+"""Runs the interpreter cases (mHC ops; RMSNorm and rope) in a fresh process with
+TRITON_INTERPRET=1.
 
 Triton reads TRITON_INTERPRET when a kernel is defined (at import of birkhoff.kernels), so the
 interpreter cases cannot share this process, where other tests may already have imported it.
@@ -16,10 +17,11 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def test_fused_mhc_ops_under_the_triton_interpreter() -> None:
+@pytest.mark.parametrize("cases", ["mhc_interpret_cases.py", "norm_rope_interpret_cases.py"])
+def test_fused_ops_under_the_triton_interpreter(cases: str) -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1] / "src"))
-    cases = str(HERE / "mhc_interpret_cases.py")
+    cases = str(HERE / cases)
     opts = [
         "-q",
         "-x",

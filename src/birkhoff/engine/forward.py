@@ -100,17 +100,17 @@ def attention(
     chunk: Chunk,
 ) -> Tensor:  # fmt: skip
     A, T, _ = x_ATD.shape
-    H, G, K = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    H, G, K, kernels = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mhc_kernels
     attn = prefix + "attn."
     # the fused projection (and bias): [A,T,H*K | G*K | G*K]
     qkv_bias = attn + "wqkv.bias" if cfg.qkv_bias else None
     q, k, v = linear(x_ATD, w, attn + "wqkv.weight", bias=qkv_bias).split([H * K, G * K, G * K], -1)
     q_ATHK, k_ATGK = q.view(A, T, H, K), k.view(A, T, G, K)
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
-        q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps)
-        k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps)
-    q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK)
-    k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK)
+        q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
+        k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps, kernels=kernels)
+    q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
+    k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
     cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
     k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
     out_AHTK = F.scaled_dot_product_attention(
@@ -154,14 +154,15 @@ def block(
     eps = cfg.norm_eps
 
     def attn(h_ATD: Tensor) -> Tensor:
-        h_ATD = rms_norm(h_ATD, w[prefix + "attn_norm.weight"], eps)
+        h_ATD = rms_norm(h_ATD, w[prefix + "attn_norm.weight"], eps, kernels=cfg.mhc_kernels)
         return attention(h_ATD, w, prefix, cfg, cache, layer, chunk)
 
     x_ATSD = hyper(x_ATSD, w, prefix + "hc_attn.", cfg, attn)
     return hyper(
         x_ATSD, w, prefix + "hc_mlp.", cfg,
         lambda h_ATD: feed_forward(
-            rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps), w, prefix, cfg),
+            rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps, kernels=cfg.mhc_kernels),
+            w, prefix, cfg),
     )  # fmt: skip
 
 
@@ -175,7 +176,7 @@ def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> 
             w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
             kernels=cfg.mhc_kernels,
         )  # fmt: skip
-    return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps)
+    return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps, kernels=cfg.mhc_kernels)
 
 
 def lm_head(h_AD: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:

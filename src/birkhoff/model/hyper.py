@@ -30,7 +30,6 @@ Design choices:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
 
@@ -38,22 +37,12 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
+from birkhoff.kernels import TRITON, use_fused
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
-KERNELS = ("auto", "eager", "triton")
-_TRITON = importlib.util.find_spec("triton") is not None
-if _TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
+if TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
     import birkhoff.kernels.mhc  # noqa: F401
-
-
-def use_fused(x: Tensor, kernels: str) -> bool:
-    """Whether to run the fused Triton ops: "triton" always, "auto" on CUDA (not fp64)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r} is invalid: must be one of {KERNELS}")
-    if kernels == "auto":
-        return _TRITON and x.is_cuda and x.dtype != torch.float64
-    return kernels == "triton"
 
 
 def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:

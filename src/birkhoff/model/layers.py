@@ -24,14 +24,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
+from birkhoff.kernels import use_fused
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """x / rms(x) * weight over the last dim, computed in >= fp32."""
+def _fused_inference(kernels: str, *tensors: Tensor | None) -> bool:
+    """Fused forward-only kernels (`birkhoff.kernels.norm_rope`) apply when `kernels` asks for
+    them on these tensors and autograd will not need a backward through them."""
+    x = tensors[0]
+    assert x is not None
+    if not use_fused(x, kernels):
+        return False
+    return not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in tensors
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, kernels: str = "eager") -> Tensor:
+    """x / rms(x) * weight over the last dim, computed in >= fp32 (`kernels`: see
+    `birkhoff.kernels.use_fused`; fused only for inference)."""
+    if _fused_inference(kernels, x, weight):
+        from birkhoff.kernels import norm_rope
+
+        return norm_rope.rms_norm(x, weight, eps)
     xf = x.to(_compute_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -117,8 +135,15 @@ ROPE_SCALING_FNS: dict[str, Callable[[Tensor, ModelConfig], Tensor]] = {
 }
 
 
-def apply_rope(x_BTHK: Tensor, cos_BTK2: Tensor, sin_BTK2: Tensor) -> Tensor:
-    """Rotate pairs (x[..., :K/2], x[..., K/2:]) by the position angle (the 'half' layout)."""
+def apply_rope(
+    x_BTHK: Tensor, cos_BTK2: Tensor, sin_BTK2: Tensor, *, kernels: str = "eager"
+) -> Tensor:
+    """Rotate pairs (x[..., :K/2], x[..., K/2:]) by the position angle (the 'half' layout);
+    `kernels` as for `rms_norm`."""
+    if _fused_inference(kernels, x_BTHK):
+        from birkhoff.kernels import norm_rope
+
+        return norm_rope.rope(x_BTHK, cos_BTK2, sin_BTK2)
     dtype = _compute_dtype(x_BTHK.dtype)
     xf = x_BTHK.to(dtype)
     cos, sin = cos_BTK2.to(dtype)[:, :, None, :], sin_BTK2.to(dtype)[:, :, None, :]

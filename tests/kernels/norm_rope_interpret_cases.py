@@ -1,0 +1,57 @@
+"""Fused RMSNorm and rope against the eager functions under the Triton interpreter on CPU (run
+by test_mhc_interpret.py in a fresh process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mhc_model_cases import check_engine_greedy
+from norm_rope_cases import NORM_CASES, ROPE_CASES, check_rms_norm, check_rope
+
+from birkhoff.model.layers import rms_norm
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+
+
+@pytest.mark.parametrize(("dtype", "D", "with_weight"), NORM_CASES)
+def test_rms_norm_matches_eager(dtype: torch.dtype, D: int, with_weight: bool) -> None:
+    check_rms_norm("cpu", dtype, D, with_weight)
+
+
+@pytest.mark.parametrize(("dtype", "H", "G", "K"), ROPE_CASES)
+def test_rope_matches_eager_on_views_of_the_qkv_projection(
+    dtype: torch.dtype, H: int, G: int, K: int
+) -> None:
+    check_rope("cpu", dtype, H, G, K)
+
+
+def test_fused_ops_serve_inference_only() -> None:
+    """With a gradient needed the eager functions run (their autograd stays the reference)."""
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    y = rms_norm(x, w, 1e-6, kernels="triton")
+    assert y.grad_fn is not None and "birkhoff" not in type(y.grad_fn).__name__.lower()
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, w, 1e-6, kernels="triton"), y.detach())
+    with pytest.raises(ValueError, match="kernels='bogus'"):
+        rms_norm(x, w, 1e-6, kernels="bogus")
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "rope"])
+def test_custom_op_registration(name: str) -> None:
+    from birkhoff.kernels import norm_rope
+
+    x = torch.randn(2, 3, 4, 8)
+    cos, sin = torch.rand(2, 3, 4, dtype=torch.float64), torch.rand(2, 3, 4, dtype=torch.float64)
+    args = (x, torch.ones(8), 1e-6) if name == "rms_norm" else (x, cos, sin)
+    torch.library.opcheck(getattr(norm_rope, name), args)
+
+
+def test_engine_greedy_tokens_fused_equal_eager() -> None:
+    check_engine_greedy("cpu")
