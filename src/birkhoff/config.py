@@ -43,7 +43,8 @@ class ModelConfig:
     num_streams: int = 4  # S; 1 = plain residual stream, exactly a pre-norm transformer
     sinkhorn_iters: int = 20
     mhc_eps: float = 1e-6  # eps of H_pre = sigmoid + eps and of the Sinkhorn entries/denominators
-    mhc_kernels: Literal["auto", "eager", "triton"] = "auto"  # auto: fused Triton ops on CUDA
+    # auto: fused Triton ops on CUDA (the mHC ops; in the engine also RMSNorm and rope)
+    mhc_kernels: Literal["auto", "eager", "triton"] = "auto"
     mtp_depth: int = 1  # M; 0 = no multi-token prediction
     mtp_loss_weight: float = 0.3  # lambda in L = L_main + lambda/M * sum_k L_k
     max_seq_len: int = 256

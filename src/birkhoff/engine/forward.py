@@ -12,7 +12,9 @@ Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, a
 swiglu, coefficients_and_mix_in, mix_out, plain_residual, contract, single_stream,
 expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the engine
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
-fused kernel replaces an op in one place.
+fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
+on CUDA ("auto") the mHC ops, RMSNorm and rope run as fused Triton kernels (RMSNorm and rope as
+forward-only ops: a step needs no gradient), elsewhere as the eager reference.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave).
