@@ -100,6 +100,15 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
+def _token_sums(N, BN: tl.constexpr, PP: tl.constexpr):
+    """This program's BN tokens (index, in range, int64), the logit columns, and zeroed
+    accumulators of the sum of squares [BN] and the projection [BN, PP]."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    sq = tl.zeros([BN], dtype=tl.float32)
+    return n, n < N, n.to(tl.int64), tl.arange(0, PP), sq, tl.zeros([BN, PP], dtype=tl.float32)
+
+
+@triton.jit
 def coeff_proj(
     x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK,
     PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
@@ -107,12 +116,7 @@ def coeff_proj(
     """This program's share of one pass over x: over BN tokens and the CHUNK columns (a multiple
     of BC) of split program_id(1), the sum of squares -> sq [splits, N] and the projection
     x @ phi^T -> part [splits, N, PP]."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok = n < N
-    n64 = n.to(tl.int64)
-    p = tl.arange(0, PP)
-    sq = tl.zeros([BN], dtype=tl.float32)
-    raw = tl.zeros([BN, PP], dtype=tl.float32)
+    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
     start = tl.program_id(1) * CHUNK
     for c0 in range(start, tl.minimum(start + CHUNK, C), BC):
         c = c0 + tl.arange(0, BC)
@@ -137,12 +141,7 @@ def coeff_tail(
     and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
     read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
     one split per loop step would wait out a memory latency per split."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok = n < N
-    n64 = n.to(tl.int64)
-    p = tl.arange(0, PP)
-    sq = tl.zeros([BN], dtype=tl.float32)
-    raw = tl.zeros([BN, PP], dtype=tl.float32)
+    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
     kb = tl.arange(0, KB)
     for k0 in range(0, SPLITS, KB):
         row = (k0 + kb)[:, None] * N + n64[None, :]  # [KB, BN]
