@@ -2,12 +2,13 @@
 
 Legend: B batch, T tokens, S streams, D model dim.
 
-Runs the sublayer as HyperConnection does (coefficients + mix in as one op, F = identity, mix
-out), forward and backward, --repeats times under the profiler, and prints each kernel's device
-time per call (microseconds) and its share of the sublayer's device time, for the training
-shape (B x T tokens) and for decode-shaped calls (--decode-rows tokens, forward only: what one
-engine step runs per sublayer). Kernel names are Triton's (coeff_proj, coeff_tail, coeff_bwd,
-grad_x, grad_phi, mix_*) and torch's for the sums and adds around them.
+Runs the sublayer of `mhc_kernels.op_table` (as HyperConnection does: coefficients + mix in
+as one op, F = identity, mix out), forward and backward, --repeats times under the profiler,
+and prints each kernel's device time per call (microseconds) and its share of the sublayer's
+device time, for the training shape (B x T tokens) and for decode-shaped calls (--decode-rows
+tokens, forward only: what one engine step runs per sublayer). Kernel names are Triton's
+(coeff_proj, coeff_tail, coeff_bwd, grad_x, grad_phi, mix_*) and torch's for the sums and adds
+around them.
 
   python benchmarks/mhc_profile.py                               # B 8, T 2048, D 768, S 4, bf16
   python benchmarks/mhc_profile.py --decode-rows 1,64,256
@@ -24,17 +25,8 @@ from typing import Any
 
 import torch
 from common import json_args
-from mhc_kernels import RESULTS, add_shape_args, make_inputs
+from mhc_kernels import RESULTS, add_shape_args, make_inputs, op_table
 from torch.profiler import ProfilerActivity, profile
-
-from birkhoff.model import hyper
-
-
-def sublayer(inp: dict[str, torch.Tensor], x: torch.Tensor, iters: int) -> torch.Tensor:
-    y, _, post, res = hyper.coefficients_and_mix_in(
-        x, inp["phi"], inp["alpha"], inp["bias"], iters=iters, norm_eps=1e-6, kernels="auto"
-    )
-    return hyper.mix_out(x, y, post, res, kernels="auto")
 
 
 def kernel_times(step: Any, repeats: int) -> dict[str, float]:
@@ -55,13 +47,11 @@ def kernel_times(step: Any, repeats: int) -> dict[str, float]:
 
 def train_shape(args: argparse.Namespace) -> dict[str, float]:
     inp = make_inputs(args)
-    x = inp["x"].requires_grad_(True)
-    for k in ("phi", "alpha", "bias"):
-        inp[k].requires_grad_(True)
-    leaves = [x, inp["phi"], inp["alpha"], inp["bias"]]
+    leaves = [inp[k].requires_grad_(True) for k in ("x", "phi", "alpha", "bias")]
+    sublayer = op_table(inp, args.iters)["sublayer"]
 
     def step() -> None:
-        out = sublayer(inp, x, args.iters)
+        (out,) = sublayer("auto")
         torch.autograd.grad(out.float().sum(), leaves)
 
     return kernel_times(step, args.repeats)
@@ -69,10 +59,11 @@ def train_shape(args: argparse.Namespace) -> dict[str, float]:
 
 def decode_shape(args: argparse.Namespace, rows: int) -> dict[str, float]:
     inp = make_inputs(argparse.Namespace(**{**vars(args), "batch": rows, "seq": 1}))
+    sublayer = op_table(inp, args.iters)["sublayer"]
 
     def step() -> None:
         with torch.no_grad():
-            sublayer(inp, inp["x"], args.iters)
+            sublayer("auto")
 
     return kernel_times(step, args.repeats)
 

@@ -84,6 +84,12 @@ def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
     return cfg
 
 
+def _token_block(cfg: Launch, N: int) -> int:
+    """CONFIG's BN tokens per program, cut to the few tokens of a decode call (>= 16 rows, what
+    tl.dot needs)."""
+    return min(int(cfg["BN"]), max(16, pow2(N)))
+
+
 TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
 
 
@@ -92,7 +98,7 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
     the columns are split until the grid has about CONFIG's PROGRAMS programs."""
     C = x_BTSD.shape[-2] * x_BTSD.shape[-1]
     cfg = _launch("coeff_proj", x_BTSD, x_BTSD.shape[-2])
-    bn = min(int(cfg["BN"]), max(16, pow2(N)))  # tl.dot needs >= 16 rows
+    bn = _token_block(cfg, N)
     bc, blocks = int(cfg.pop("BC")), cdiv(N, bn)
     splits = max(1, min(cdiv(C, bc), int(cfg.pop("PROGRAMS")) // blocks))
     chunk = cdiv(cdiv(C, splits), bc) * bc
@@ -126,7 +132,7 @@ def _coefficients_op(
     (SP, PP), cfg = _pads(S, P), _launch("coeff_tail", x_BTSD, S)
     if N:
         part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
-        cfg["BN"] = bn = min(int(cfg["BN"]), max(16, pow2(N)))
+        cfg["BN"] = bn = _token_block(cfg, N)
         kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
         K.coeff_tail[(cdiv(N, bn),)](
             part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,

@@ -31,16 +31,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _fused_inference(kernels: str, *tensors: Tensor | None) -> bool:
+def _fused_inference(kernels: str, x: Tensor, *others: Tensor | None) -> bool:
     """Fused forward-only kernels (`birkhoff.kernels.norm_rope`) apply when `kernels` asks for
-    them on these tensors and autograd will not need a backward through them."""
-    x = tensors[0]
-    assert x is not None
+    them on x and autograd will not need a backward through x or the other inputs."""
     if not use_fused(x, kernels):
         return False
-    return not torch.is_grad_enabled() or not any(
-        t is not None and t.requires_grad for t in tensors
-    )
+    inputs = (x, *others)
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, kernels: str = "eager") -> Tensor:
