@@ -15,7 +15,7 @@ import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams
-from birkhoff.engine.graphs import GraphPool, Outputs, bucket
+from birkhoff.engine.graphs import DECODE, SPECULATIVE, GraphPool, Outputs, bucket
 from birkhoff.model import Transformer
 from birkhoff.refit.api import refit
 
@@ -73,9 +73,9 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
         [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-10
     )
     keys = {key for graphs in graphed.graphs.sets.values() for key in graphs}
-    assert len({A for _, _, A, _ in keys}) >= 2 and len({N for *_, N in keys}) >= 2
-    if k:
-        assert any(depth >= 0 for depth, *_ in keys)  # draft steps went through graphs too
+    assert len({key[2] for key in keys}) >= 2 and len({key[3] for key in keys}) >= 2  # A', N'
+    kinds = {key[0] for key in keys}
+    assert kinds == ({SPECULATIVE} if k else {DECODE})  # every step went through a graph
 
 
 def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
@@ -198,3 +198,37 @@ def test_queued_plain_steps_never_wait_for_the_device(
     monkeypatch.setattr(decode.Generation, "queue_plain_step", checked)
     out = engine.generate(PROMPTS, params)
     assert len(queued) >= 12 and all(c.tokens for c in out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_speculative_steps_sync_only_to_read_their_result(
+    trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative step (drafts, verify, acceptance, sampling with and without top-k/top-p)
+    is one replayed graph: issuing it must not synchronise; only reading its result does."""
+    from birkhoff.engine import graphs
+
+    engine = Engine.from_model(copy.deepcopy(trained_model).cuda(), device="cuda", max_batch_size=4)
+    params = [
+        SamplingParams(12 + 5 * i, temperature=float(i % 2), top_k=3 * (i % 3), seed=3,
+                       num_speculative_tokens=2)
+        for i in range(6)
+    ]  # fmt: skip
+    engine.generate(PROMPTS, params)  # capture the graphs first (capture synchronises)
+    step, issued = graphs.GraphSteps.speculative, []
+
+    def checked(self: graphs.GraphSteps, *args: object) -> torch.Tensor:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = step(self, *args)  # type: ignore[arg-type]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        issued.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(graphs.GraphSteps, "speculative", checked)
+    captured = engine.graphs.num_captured if engine.graphs is not None else -1
+    out = engine.generate(PROMPTS, params)
+    assert len(issued) >= 6 and all(c.tokens for c in out)
+    assert engine.graphs is not None and engine.graphs.num_captured == captured

@@ -13,11 +13,13 @@ runs one step ahead of the host (`run_plain`): the device never waits for host b
 Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
 not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
 depth k, `valid[k][i]` counts the leading positions whose depth-k cache entries were computed
-from accepted tokens only. A speculative step:
+from accepted tokens only. A speculative step (speculative.py; one device call, one read-back):
   1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
      those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
   2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
   3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
+Admission catches a new request's depths up on its prompt (`catch_up_drafter`), so a step's
+depth k never has more than J + k positions to recompute.
 Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
 A row taken by a new request starts from position 0 in the same way.
 """
@@ -31,13 +33,14 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Chunk, lm_head, main_forward, make_chunk
+from birkhoff.engine.forward import Chunk, lm_head, main_forward, make_chunk, mtp_forward
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
-from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, RequestRandom
-from birkhoff.engine.sampling import RowSampling, SamplingParams, sampling_probs, target_logprobs
+from birkhoff.engine.rng import SAMPLE, RequestRandom
+from birkhoff.engine.rows import RowState
+from birkhoff.engine.sampling import SamplingParams, is_filtered, sample_logits
 from birkhoff.engine.scheduler import Scheduler
-from birkhoff.engine.speculative import SpecStats, accept_drafts
+from birkhoff.engine.speculative import SpecContext, SpecStats, state_rows
 from birkhoff.engine.transfer import to_device
 
 
@@ -63,18 +66,16 @@ class Generation:
 
     def __init__(
         self, *, cfg: ModelConfig, steps: Steps, cache: KVCache, drafter: DrafterState | None,
-        rope: tuple[Tensor, Tensor], prompts: list[list[int]], params: list[SamplingParams],
-        max_seq_len: int, seed: int,
+        rows: RowState, rope: tuple[Tensor, Tensor], prompts: list[list[int]],
+        params: list[SamplingParams], max_seq_len: int, seed: int,
     ) -> None:  # fmt: skip
         self.cfg, self.steps, self.w, self.cache = cfg, steps, steps.w, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
         self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
         B, R = cache.k.shape[1], len(prompts)  # cache rows, requests
         self.scheduler = Scheduler(R, B)
-        self.rng = RequestRandom(B, self.device)
+        self.rows, self.rng, self.tokens_BN = rows, rows.rng, rows.tokens_BN
         self.row_params = [params[0]] * B  # the params of the request in each row
-        self.sampling = RowSampling.build(self.row_params, self.device)
-        self.tokens_BN = torch.zeros(B, cache.capacity, dtype=torch.long, device=self.device)
         self.n = [0] * B  # per row: position of the pending token
         self.num_drafts = params[0].num_speculative_tokens
         self.valid = [[0] * B for _ in range(self.num_drafts)]
@@ -133,13 +134,9 @@ class Generation:
     def n_of(self, rows: list[int]) -> Tensor:
         return to_device([self.n[i] for i in rows], self.device)
 
-    def sample_logits(
-        self, logits_AV: Tensor, rows_A: Tensor, repeat: int = 1
-    ) -> tuple[Tensor, Tensor]:
-        """(log-probs of the target distribution, sampling probs) for rows repeated `repeat`x."""
-        rs = self.sampling.select(rows_A, repeat)
-        logp_AV = target_logprobs(logits_AV, rs)
-        return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
+    def filtered(self, rows: list[int]) -> bool:
+        """Whether some row of `rows` samples with top-k / top-p."""
+        return any(is_filtered(self.row_params[i]) for i in rows)
 
     def admit(self) -> None:
         """Give free rows to waiting requests and prefill them (eagerly: T is the prompt)."""
@@ -153,7 +150,7 @@ class Generation:
             for valid in self.valid:
                 valid[row] = 0
         self.rng.assign(rows, [RequestRandom.request_key(self.seed, r) for _, r in admitted])
-        self.sampling = RowSampling.build(self.row_params, self.device)
+        self.rows.sampling.assign(rows, [self.row_params[i] for i in rows])
         chunk = self.chunk(rows, [0] * len(rows), [self.n[i] + 1 for i in rows])
         tokens_AT = torch.zeros(chunk.valid_AT.shape, dtype=torch.long)
         for a, (_, r) in enumerate(admitted):
@@ -166,6 +163,29 @@ class Generation:
         last_A = self.n_of(rows)
         hidden_AD = hidden_ATD[torch.arange(len(rows), device=self.device), last_A]
         self.sample_next(rows, chunk.rows_A, lm_head(hidden_AD, self.w, self.cfg))
+        if self.drafter is not None:
+            self.catch_up_drafter(rows)
+
+    def catch_up_drafter(self, rows: list[int]) -> None:
+        """Run depth k over positions 0..n-k-1 of newly admitted rows (everything it can see
+        from accepted tokens but its last k positions), so a step recomputes at most J + k."""
+        assert self.drafter is not None
+        for k in range(1, self.num_drafts + 1):
+            for i in rows:
+                self.valid[k - 1][i] = max(0, self.n[i] - k)
+            todo = [i for i in rows if self.n[i] - k >= 1]
+            if not todo:
+                continue
+            chunk = self.chunk(todo, [0] * len(todo), [self.n[i] - k for i in todo])
+            # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
+            token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
+            tokens_AT = self.tokens_BN[chunk.rows_A[:, None], token_pos_AT]
+            h_prev_ATSD = self.drafter.streams.read(k - 1, chunk.rows_A, chunk.positions_AT)
+            h_ATSD, _ = mtp_forward(
+                self.w, self.cfg, k - 1, self.drafter.cache, h_prev_ATSD, tokens_AT, chunk
+            )
+            if k < self.num_drafts:
+                self.drafter.streams.write(k, chunk.rows_A, chunk.positions_AT, h_ATSD)
 
     def queue_plain_step(self, rows: list[int]) -> PlainStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""
@@ -189,7 +209,8 @@ class Generation:
         self, rows: list[int], rows_A: Tensor, logits_AV: Tensor
     ) -> tuple[Tensor, Tensor]:
         """(next token [A], its logprob [A]) at each row's position n + 1, written to tokens."""
-        logp_AV, probs_AV = self.sample_logits(logits_AV, rows_A)
+        rs = self.rows.sampling.select(rows_A, filtered=self.filtered(rows))
+        logp_AV, probs_AV = sample_logits(logits_AV, rs)
         n_A = self.n_of(rows)
         next_A = self.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
         self.tokens_BN[rows_A, n_A + 1] = next_A
@@ -221,57 +242,27 @@ class Generation:
         if advance:
             self.n[i] += len(tokens)
 
-    def draft(self, rows: list[int], rows_A: Tensor) -> tuple[Tensor, Tensor]:
-        """(drafts [A,J], their distributions q [A,J,V]) from the MTP depths at position n-1."""
+    def spec_context(self, rows: list[int]) -> SpecContext:
         assert self.drafter is not None
-        n_A = self.n_of(rows)
-        drafts, qs = [], []
-        for k in range(1, self.num_drafts + 1):
-            starts = [self.valid[k - 1][i] for i in rows]
-            chunk = self.chunk(
-                rows, starts, [self.n[i] - s for i, s in zip(rows, starts, strict=True)]
-            )
-            # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
-            token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
-            tokens_AT = self.tokens_BN[rows_A[:, None], token_pos_AT]
-            h_prev_ATSD = self.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
-            last_A = n_A - 1 - to_device(starts, self.device)
-            h_ATSD, logits_AV = self.steps.draft(k - 1, rows, chunk, h_prev_ATSD, tokens_AT, last_A)
-            if k < self.num_drafts:
-                self.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
-            _, q_AV = self.sample_logits(logits_AV, rows_A)
-            draft_A = self.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
-            self.tokens_BN[rows_A, n_A + k] = draft_A
-            drafts.append(draft_A)
-            qs.append(q_AV)
-            for i in rows:  # positions j <= n-k used accepted tokens only
-                self.valid[k - 1][i] = max(0, self.n[i] - k + 1)
-        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+        return SpecContext(
+            self.w, self.cfg, self.cache, self.drafter, self.rows, self.rope, self.num_drafts,
+            self.filtered(rows),
+        )  # fmt: skip
 
     def speculative_step(self, rows: list[int]) -> None:
+        """Draft, verify and accept for `rows` on the device; one read-back, then emit."""
         J = self.num_drafts
-        rows_A = to_device(rows, self.device)
-        drafts_AJ, q_AJV = self.draft(rows, rows_A)
-        assert self.drafter is not None
-        chunk = self.chunk(rows, [self.n[i] for i in rows], [J + 1] * len(rows))
-        tokens_AT = self.tokens_BN[rows_A[:, None], chunk.positions_AT]
-        ms_ATSD, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
-        self.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
-        A, T, V = len(rows), J + 1, self.cfg.vocab_size
-        logits_AV = logits_ATV.reshape(A * T, V)  # A*T rows
-        logp_AV, p_AV = self.sample_logits(logits_AV, rows_A, repeat=T)
-        n_A = self.n_of(rows)
-        tags_J = ACCEPT + torch.arange(1, J + 1, device=self.device)
-        u_AJ = self.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
-        u_A = self.rng.uniform(rows_A, n_A, SAMPLE)
-        num_acc_A, next_A = accept_drafts(p_AV.view(A, T, V), q_AJV, drafts_AJ, u_AJ, u_A)
-        self.tokens_BN[rows_A, n_A + 1 + num_acc_A] = next_A
-        emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
-        emitted_AT[torch.arange(A, device=self.device), num_acc_A] = next_A
-        logp_AT = logp_AV.view(A, T, V).gather(-1, emitted_AT[..., None]).squeeze(-1)
-        num_acc = num_acc_A.tolist()
+        for k, valid in enumerate(self.valid, start=1):
+            assert all(self.n[i] - valid[i] <= J + k for i in rows), "drafter not caught up"
+        state = state_rows(
+            [self.n[i] for i in rows], [1] * len(rows), [[v[i] for i in rows] for v in self.valid]
+        )
+        limit = max(self.n[i] for i in rows) + J + 1
+        out = self.steps.speculative(self.spec_context(rows), rows, state, limit).tolist()
+        for k, valid in enumerate(self.valid, start=1):
+            for i in rows:  # positions j <= n-k used accepted tokens only
+                valid[i] = max(0, self.n[i] - k + 1)
+        num_acc = [int(row[0]) for row in out]
         self.stats.record(num_acc)
-        for i, a, toks, lps in zip(
-            rows, num_acc, emitted_AT.tolist(), logp_AT.tolist(), strict=True
-        ):
-            self.emit(i, toks[: a + 1], lps[: a + 1])
+        for i, a, row in zip(rows, num_acc, out, strict=True):
+            self.emit(i, [int(t) for t in row[1 : a + 2]], row[J + 2 : J + 3 + a])

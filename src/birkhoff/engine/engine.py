@@ -11,11 +11,12 @@ Versions: `weight_version` is -1 until weights are loaded; the first commit (e.g
 makes it 0 and every later commit (a refit) adds one. Completions record the version they were
 generated with.
 
-Caches are allocated once, at the engine's maximum batch size and sequence length, on the first
-generate call that needs them (the drafter's caches on the first speculative call), and reused.
+Caches and per-row state (rows.py) are allocated once, at the engine's maximum batch size and
+sequence length, on the first generate call that needs them (the drafter's caches on the first
+speculative call), and reused.
 A call takes any number of prompts: `max_batch_size` rows decode at once and a finished row is
 refilled with the next waiting prompt (continuous batching, scheduler.py).
-`cuda_graphs` (default: on for CUDA) replays decode, verify and draft steps from CUDA graphs
+`cuda_graphs` (default: on for CUDA) replays plain and speculative steps from CUDA graphs
 (graphs.py); the eager path is the reference and the only one on CPU.
 Left out: paged KV, tensor parallel.
 """
@@ -41,6 +42,7 @@ from birkhoff.engine.layout import (
     trainer_tensors,
 )
 from birkhoff.engine.rng import MAX_DRAFTS
+from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
 from birkhoff.model.layers import rope_tables
@@ -93,6 +95,7 @@ class Engine:
         self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
         self._cache: KVCache | None = None
         self._drafter: DrafterState | None = None
+        self._rows: RowState | None = None
         self.last_stats: SpecStats | None = None
         self.graphs = GraphPool(max_batch_size, self.capacity, self.rope) if graphs else None
 
@@ -137,12 +140,13 @@ class Engine:
         with torch.inference_mode():
             cache, drafter = self.main_cache(), self.drafter_state() if num_drafts else None
             steps = (
-                Steps(self.cfg, weights, cache, drafter)
+                Steps(self.cfg, weights, cache)
                 if self.graphs is None
-                else GraphSteps(self.cfg, weights, cache, drafter, self.graphs)
+                else GraphSteps(self.cfg, weights, cache, self.graphs)
             )
             run = Generation(
-                cfg=self.cfg, steps=steps, cache=cache, drafter=drafter, rope=self.rope,
+                cfg=self.cfg, steps=steps, cache=cache, drafter=drafter, rows=self.row_state(),
+                rope=self.rope,
                 prompts=[list(p) for p in prompts], params=per_row, max_seq_len=self.max_seq_len,
                 seed=secrets.randbits(63) if seed is None else seed,
             )  # fmt: skip
@@ -158,6 +162,11 @@ class Engine:
                 dtype=self.dtype, device=self.device,
             )  # fmt: skip
         return self._cache
+
+    def row_state(self) -> RowState:
+        if self._rows is None:
+            self._rows = RowState.build(self.max_batch_size, self.capacity, self.device)
+        return self._rows
 
     def drafter_state(self) -> DrafterState:
         if self._drafter is None:

@@ -65,8 +65,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def is_filtered(p: SamplingParams) -> bool:
+    """Whether sampling with `p` filters the distribution (top-k or top-p; never for greedy)."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1)
+
+
 class RowSampling(NamedTuple):
-    """Per-row sampling parameters as tensors, so rows with different params share a batch."""
+    """Sampling parameters as tensors, one entry per row of logits (rows may differ)."""
 
     temperature_A: Tensor
     top_k_A: Tensor
@@ -76,30 +81,43 @@ class RowSampling(NamedTuple):
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> RowSampling:
-        greedy = [p.greedy for p in params]
-        filtered = any(
-            not g and (p.top_k > 0 or p.top_p < 1) for p, g in zip(params, greedy, strict=True)
-        )
-        return cls(
-            to_device(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                device,
-                torch.float32,
-            ),
-            to_device([0 if g else p.top_k for p, g in zip(params, greedy, strict=True)], device),
-            to_device(
-                [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)],
-                device,
-                torch.float32,
-            ),
-            to_device(greedy, device, torch.bool),
-            filtered,
-        )
+        table = SamplingTable(len(params), device)
+        table.assign(list(range(len(params))), params)
+        rows_A = torch.arange(len(params), device=device)
+        return table.select(rows_A, filtered=any(map(is_filtered, params)))
 
     def select(self, rows_A: Tensor, repeat: int = 1) -> RowSampling:
         """The params of `rows_A`, each repeated `repeat` times (for [A, T] flattened logits)."""
         t, k, p, g = (x[rows_A].repeat_interleave(repeat) for x in self[:4])
         return RowSampling(t, k, p, g, self.filtered)
+
+
+class SamplingTable:
+    """The sampling parameters of every cache row, in tensors allocated once (graph-safe)."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.params = RowSampling(
+            torch.ones(num_rows, device=device),
+            torch.zeros(num_rows, dtype=torch.long, device=device),
+            torch.ones(num_rows, device=device),
+            torch.ones(num_rows, dtype=torch.bool, device=device),
+            filtered=False,
+        )
+        self.device = device
+
+    def assign(self, rows: list[int], params: list[SamplingParams]) -> None:
+        """Rows `rows` now sample with `params` (one queued copy, no host sync)."""
+        values = [
+            [1.0, 0, 1.0, 1] if p.greedy else [p.temperature, p.top_k, p.top_p, 0] for p in params
+        ]
+        values_4A = to_device(values, self.device, torch.float64).T
+        rows_A = to_device(rows, self.device)
+        for dst, src in zip(self.params[:4], values_4A, strict=True):
+            dst[rows_A] = src.to(dst.dtype)
+
+    def select(self, rows_A: Tensor, repeat: int = 1, *, filtered: bool) -> RowSampling:
+        """The params of `rows_A` (each `repeat` times); `filtered`: whether any of them filters."""
+        return self.params._replace(filtered=filtered).select(rows_A, repeat)
 
 
 def filter_top_k_top_p(z_AV: Tensor, top_k_A: Tensor, top_p_A: Tensor) -> Tensor:
@@ -128,3 +146,9 @@ def sampling_probs(logp_AV: Tensor, greedy_A: Tensor) -> Tensor:
     """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
     one_hot_AV = F.one_hot(logp_AV.argmax(dim=-1), logp_AV.shape[-1]).to(logp_AV.dtype)
     return torch.where(greedy_A[:, None], one_hot_AV, logp_AV.exp())
+
+
+def sample_logits(logits_AV: Tensor, rs: RowSampling) -> tuple[Tensor, Tensor]:
+    """(log-probs of each row's target distribution, the probs its token is sampled from)."""
+    logp_AV = target_logprobs(logits_AV, rs)
+    return logp_AV, sampling_probs(logp_AV, rs.greedy_A)

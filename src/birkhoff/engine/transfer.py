@@ -10,16 +10,19 @@ alive until the copy has run. On the CPU this is the plain `torch.tensor`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
 
 def to_device(
-    values: list[int] | list[float] | list[bool] | Tensor,
+    values: Sequence[Any] | Tensor,
     device: torch.device,
     dtype: torch.dtype = torch.long,
 ) -> Tensor:
-    """`values` (a list, or a CPU tensor) as a `dtype` tensor on `device`, queued without a
+    """`values` (a (nested) list, or a CPU tensor) as a `dtype` tensor on `device`, queued without a
     host-device sync."""
     if device.type != "cuda":
         return torch.as_tensor(values, dtype=dtype, device=device)

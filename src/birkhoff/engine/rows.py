@@ -1,0 +1,31 @@
+"""Per-row decode state that outlives a generate call: tokens, request keys, sampling params.
+
+Legend: B cache rows, N cache positions.
+
+Every cache row has a token buffer (`tokens_BN`: slot p holds the token at position p, drafts
+included), the random key of the request in it (rng.py) and its sampling parameters
+(sampling.py). They are allocated once per engine, beside the KV caches, and rewritten when a
+request takes a row, so a captured CUDA graph (graphs.py) reads them at fixed addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from birkhoff.engine.rng import RequestRandom
+from birkhoff.engine.sampling import SamplingTable
+
+
+@dataclass(frozen=True, slots=True)
+class RowState:
+    tokens_BN: Tensor
+    rng: RequestRandom
+    sampling: SamplingTable
+
+    @classmethod
+    def build(cls, num_rows: int, capacity: int, device: torch.device) -> RowState:
+        tokens_BN = torch.zeros(num_rows, capacity, dtype=torch.long, device=device)
+        return cls(tokens_BN, RequestRandom(num_rows, device), SamplingTable(num_rows, device))
