@@ -9,7 +9,7 @@ from engine_helpers import tiny_config
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Generation
 from birkhoff.engine.graphs import Steps
-from birkhoff.engine.speculative import draft, state_rows
+from birkhoff.engine.step import draft, speculative_state
 from birkhoff.model import Transformer
 
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0]]
@@ -97,7 +97,7 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
     params = [SamplingParams(40, temperature=1.0, num_speculative_tokens=K)] * len(RAGGED)
     cache, drafter = engine.main_cache(), engine.drafter_state()
     run = Generation(
-        cfg=engine.cfg, steps=Steps(engine.cfg, engine.weights, cache), cache=cache,
+        cfg=engine.cfg, weights=engine.weights, steps=Steps(), cache=cache,
         drafter=drafter, rows=engine.row_state(), rope=engine.rope, prompts=RAGGED, params=params,
         max_seq_len=engine.max_seq_len, seed=0,
     )  # fmt: skip
@@ -107,9 +107,9 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
         for _ in range(4):
             run.speculative_step(rows)
         valid = [[v[i] for i in rows] for v in run.valid]
-        state = state_rows([run.n[i] for i in rows], [1] * len(rows), valid)
+        state = speculative_state([run.n[i] for i in rows], [1] * len(rows), valid)
         limit = max(run.n) + K + 1
-        drafts_AJ, q_AJV = draft(run.spec_context(rows), torch.tensor(rows), len(rows),
+        drafts_AJ, q_AJV = draft(run.context(rows), torch.tensor(rows), len(rows),
                                  torch.tensor(state), limit)  # fmt: skip
     assert 0 < run.stats.num_emitted - run.stats.num_steps < K * run.stats.num_steps  # mixed
     for i in rows:

@@ -7,13 +7,14 @@ Continuous batching (scheduler.py): requests take free cache rows in call order;
 step, rows freed by finished requests are refilled with waiting requests (their prefill runs,
 then they join the decode steps), so a call takes any number of prompts. All randomness comes
 from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
-other requests share its batch. Steps run eagerly or as CUDA graphs (graphs.py). Plain decode
-runs one step ahead of the host (`run_plain`): the device never waits for host bookkeeping.
+other requests share its batch. Steps (step.py: model, sampling and acceptance in one device
+call) run eagerly or as CUDA graphs (graphs.py); prefill runs eagerly. Plain decode runs one
+step ahead of the host (`run_plain`): the device never waits for host bookkeeping.
 
 Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
 not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
 depth k, `valid[k][i]` counts the leading positions whose depth-k cache entries were computed
-from accepted tokens only. A speculative step (speculative.py; one device call, one read-back):
+from accepted tokens only. A speculative step (step.py: one device call, one read-back):
   1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
      those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
   2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
@@ -26,21 +27,28 @@ A row taken by a new request starts from position 0 in the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Chunk, lm_head, main_forward, make_chunk, mtp_forward
+from birkhoff.engine.forward import Chunk, Weights, lm_head, main_forward, make_chunk, mtp_forward
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
-from birkhoff.engine.rng import SAMPLE, RequestRandom
+from birkhoff.engine.rng import RequestRandom
 from birkhoff.engine.rows import RowState
-from birkhoff.engine.sampling import SamplingParams, is_filtered, sample_logits
+from birkhoff.engine.sampling import SamplingParams, is_filtered
 from birkhoff.engine.scheduler import Scheduler
-from birkhoff.engine.speculative import SpecContext, SpecStats, state_rows
+from birkhoff.engine.speculative import SpecStats
+from birkhoff.engine.step import (
+    StepContext,
+    plain_step,
+    sample_next,
+    speculative_state,
+    speculative_step,
+)
 from birkhoff.engine.transfer import to_device
 
 
@@ -57,19 +65,18 @@ class PlainStep(NamedTuple):
 
     rows: list[int]
     requests: list[int]
-    next_A: Tensor
-    logp_A: Tensor
+    out_A2: Tensor  # (next token, its logprob) per row
 
 
 class Generation:
     """The state of one generate call: requests over cache rows, steps until all are done."""
 
     def __init__(
-        self, *, cfg: ModelConfig, steps: Steps, cache: KVCache, drafter: DrafterState | None,
-        rows: RowState, rope: tuple[Tensor, Tensor], prompts: list[list[int]],
-        params: list[SamplingParams], max_seq_len: int, seed: int,
+        self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
+        drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
+        prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
     ) -> None:  # fmt: skip
-        self.cfg, self.steps, self.w, self.cache = cfg, steps, steps.w, cache
+        self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
         self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
         B, R = cache.k.shape[1], len(prompts)  # cache rows, requests
@@ -83,6 +90,7 @@ class Generation:
         self.out_logprobs: list[list[float]] = [[] for _ in range(R)]
         self.finish: list[str | None] = [None] * R
         self.stats = SpecStats(self.num_drafts)
+        self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
 
     def run(self) -> list[Completion]:
         if self.num_drafts:
@@ -134,9 +142,10 @@ class Generation:
     def n_of(self, rows: list[int]) -> Tensor:
         return to_device([self.n[i] for i in rows], self.device)
 
-    def filtered(self, rows: list[int]) -> bool:
-        """Whether some row of `rows` samples with top-k / top-p."""
-        return any(is_filtered(self.row_params[i]) for i in rows)
+    def context(self, rows: list[int]) -> StepContext:
+        """The step context for `rows` (whether some of them sample with top-k / top-p)."""
+        filtered = any(is_filtered(self.row_params[i]) for i in rows)
+        return self.ctx if filtered == self.ctx.filtered else replace(self.ctx, filtered=filtered)
 
     def admit(self) -> None:
         """Give free rows to waiting requests and prefill them (eagerly: T is the prompt)."""
@@ -162,7 +171,11 @@ class Generation:
             self.drafter.streams.write(0, chunk.rows_A, chunk.positions_AT, ms_ATSD)
         last_A = self.n_of(rows)
         hidden_AD = hidden_ATD[torch.arange(len(rows), device=self.device), last_A]
-        self.sample_next(rows, chunk.rows_A, lm_head(hidden_AD, self.w, self.cfg))
+        live_A = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+        logits_AV = lm_head(hidden_AD, self.w, self.cfg)
+        next_A, logp_A = sample_next(self.context(rows), chunk.rows_A, last_A, live_A, logits_AV)
+        for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
+            self.emit(i, [tok], [lp])
         if self.drafter is not None:
             self.catch_up_drafter(rows)
 
@@ -189,37 +202,19 @@ class Generation:
 
     def queue_plain_step(self, rows: list[int]) -> PlainStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""
-        chunk = self.chunk(rows, [self.n[i] for i in rows], [1] * len(rows))
-        tokens_AT = self.tokens_BN[chunk.rows_A[:, None], chunk.positions_AT]
-        _, logits_ATV = self.steps.decode(rows, chunk, tokens_AT)
-        next_A, logp_A = self.sample_tokens(rows, chunk.rows_A, logits_ATV[:, 0])
+        state = [[self.n[i] for i in rows], [1] * len(rows)]
+        limit = max(self.n[i] for i in rows) + 1
+        out_A2 = self.steps.run(plain_step, self.context(rows), rows, state, limit)
         for i in rows:
             self.n[i] += 1
         requests = [self.scheduler.request_of[i] for i in rows]
-        return PlainStep(rows, requests, next_A, logp_A)
+        return PlainStep(rows, requests, out_A2)
 
     def collect(self, step: PlainStep) -> None:
         """Emit a queued step's tokens (one read-back) to the requests that still own the rows."""
-        tokens, logprobs = torch.stack((step.next_A.double(), step.logp_A.double())).tolist()
-        for i, r, tok, lp in zip(step.rows, step.requests, tokens, logprobs, strict=True):
+        for i, r, (tok, lp) in zip(step.rows, step.requests, step.out_A2.tolist(), strict=True):
             if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
                 self.emit(i, [int(tok)], [lp], advance=False)
-
-    def sample_tokens(
-        self, rows: list[int], rows_A: Tensor, logits_AV: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """(next token [A], its logprob [A]) at each row's position n + 1, written to tokens."""
-        rs = self.rows.sampling.select(rows_A, filtered=self.filtered(rows))
-        logp_AV, probs_AV = sample_logits(logits_AV, rs)
-        n_A = self.n_of(rows)
-        next_A = self.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
-        self.tokens_BN[rows_A, n_A + 1] = next_A
-        return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
-
-    def sample_next(self, rows: list[int], rows_A: Tensor, logits_AV: Tensor) -> None:
-        next_A, logp_A = self.sample_tokens(rows, rows_A, logits_AV)
-        for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
-            self.emit(i, [tok], [lp])
 
     def emit(self, i: int, tokens: list[int], logprobs: list[float], advance: bool = True) -> None:
         """Append tokens to row i's request until a stop token, max_new_tokens or max_seq_len;
@@ -242,23 +237,16 @@ class Generation:
         if advance:
             self.n[i] += len(tokens)
 
-    def spec_context(self, rows: list[int]) -> SpecContext:
-        assert self.drafter is not None
-        return SpecContext(
-            self.w, self.cfg, self.cache, self.drafter, self.rows, self.rope, self.num_drafts,
-            self.filtered(rows),
-        )  # fmt: skip
-
     def speculative_step(self, rows: list[int]) -> None:
         """Draft, verify and accept for `rows` on the device; one read-back, then emit."""
         J = self.num_drafts
         for k, valid in enumerate(self.valid, start=1):
             assert all(self.n[i] - valid[i] <= J + k for i in rows), "drafter not caught up"
-        state = state_rows(
+        state = speculative_state(
             [self.n[i] for i in rows], [1] * len(rows), [[v[i] for i in rows] for v in self.valid]
         )
         limit = max(self.n[i] for i in rows) + J + 1
-        out = self.steps.speculative(self.spec_context(rows), rows, state, limit).tolist()
+        out = self.steps.run(speculative_step, self.context(rows), rows, state, limit).tolist()
         for k, valid in enumerate(self.valid, start=1):
             for i in rows:  # positions j <= n-k used accepted tokens only
                 valid[i] = max(0, self.n[i] - k + 1)

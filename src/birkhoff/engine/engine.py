@@ -97,7 +97,7 @@ class Engine:
         self._drafter: DrafterState | None = None
         self._rows: RowState | None = None
         self.last_stats: SpecStats | None = None
-        self.graphs = GraphPool(max_batch_size, self.capacity, self.rope) if graphs else None
+        self.graphs = GraphPool(max_batch_size, self.capacity, self.device) if graphs else None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs: object) -> Engine:
@@ -139,15 +139,11 @@ class Engine:
         seed = per_row[0].seed
         with torch.inference_mode():
             cache, drafter = self.main_cache(), self.drafter_state() if num_drafts else None
-            steps = (
-                Steps(self.cfg, weights, cache)
-                if self.graphs is None
-                else GraphSteps(self.cfg, weights, cache, self.graphs)
-            )
+            steps = Steps() if self.graphs is None else GraphSteps(self.graphs, weights)
             run = Generation(
-                cfg=self.cfg, steps=steps, cache=cache, drafter=drafter, rows=self.row_state(),
-                rope=self.rope,
-                prompts=[list(p) for p in prompts], params=per_row, max_seq_len=self.max_seq_len,
+                cfg=self.cfg, weights=weights, steps=steps, cache=cache, drafter=drafter,
+                rows=self.row_state(), rope=self.rope, prompts=[list(p) for p in prompts],
+                params=per_row, max_seq_len=self.max_seq_len,
                 seed=secrets.randbits(63) if seed is None else seed,
             )  # fmt: skip
             completions = run.run()

@@ -1,7 +1,6 @@
 """Speculative decoding: exact acceptance of MTP drafts, and its statistics.
 
-Legend: A rows of a step, J drafts per step, T = J+1 verified positions, V vocab, S streams,
-D model dim.
+Legend: A active rows, J drafts per step, T = J+1 verified positions, V vocab.
 
 Drafting (see decode.py): depth k at the last accepted position i sees h_{k-1} at i and
 Emb(t_{i+k}) and proposes t_{i+k+1}, exactly as the MTP depths are trained; drafts beyond the
@@ -15,14 +14,7 @@ is then distributed exactly as p, so speculative and plain sampling agree in dis
 greedy rows p and q are one-hot at the argmax, so the same rule is argmax agreement, and the
 emitted tokens are exactly the greedy tokens.
 
-The step (`speculative_step` = `verify` after `draft`) runs on the device from static shapes
-only, so it is one CUDA graph (graphs.py) with no host sync inside: its per-row state is a
-[J+2, A] tensor (pending position n, live flag, the first position each depth recomputes), and
-depth k always covers J + k positions from its first invalid one (after a step that emitted
-a + 1 tokens it has a + k <= J + k to redo; `Generation.admit` catches a new request's depths up
-on its prompt first), padding the rest onto the trash slot. Rows of a graph's batch bucket that
-hold no request are not live: they compute on the trash slot and their outputs are dropped.
-The host reads one [A, 1 + 2T] result per step (accepted count, emitted tokens, logprobs).
+(step.py runs drafting, verification and this acceptance as one device step.)
 """
 
 from __future__ import annotations
@@ -32,12 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Weights, chunk_at, decode_step, draft_step
-from birkhoff.engine.kv_cache import DrafterState, KVCache
-from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, sample_inverse_cdf
-from birkhoff.engine.rows import RowState
-from birkhoff.engine.sampling import sample_logits
+from birkhoff.engine.rng import sample_inverse_cdf
 
 
 def accept_drafts(
@@ -63,95 +50,6 @@ def accept_drafts(
     empty_A1 = residual_AV.sum(dim=-1, keepdim=True) <= 0
     residual_AV = torch.where(empty_A1, p_next_AV, residual_AV)
     return num_accepted_A, sample_inverse_cdf(residual_AV, u_A)
-
-
-@dataclass(frozen=True, slots=True)
-class SpecContext:
-    """What a speculative step reads and writes besides its per-row state (all persistent)."""
-
-    w: Weights
-    cfg: ModelConfig
-    cache: KVCache
-    drafter: DrafterState
-    rows: RowState
-    rope: tuple[Tensor, Tensor]
-    num_drafts: int
-    filtered: bool  # some row of the step samples with top-k / top-p
-
-
-def state_rows(n: list[int], live: list[int], valid: list[list[int]]) -> list[list[int]]:
-    """The [J+2, A] state of a step: pending positions, live flags, each depth's first
-    position to recompute."""
-    return [n, live, *valid]
-
-
-def draft(
-    ctx: SpecContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
-) -> tuple[Tensor, Tensor]:
-    """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
-    state_KA[1 + k] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
-    J, trash, device = ctx.num_drafts, ctx.cache.trash, rows_A.device
-    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
-    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
-    drafts, qs = [], []
-    for k in range(1, J + 1):
-        start_A, T = state_KA[1 + k], J + k
-        pos_AT = start_A[:, None] + torch.arange(T, device=device)
-        ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
-        positions_AT = torch.where(ok_AT, pos_AT, trash)
-        chunk = chunk_at(rows_A, prefix, positions_AT, ok_AT, rope=ctx.rope, limit=limit)
-        # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
-        tokens_AT = tokens_BN[rows_A[:, None], torch.where(ok_AT, pos_AT + k, 0)]
-        h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
-        last_A = (n_A - 1 - start_A).clamp(0, T - 1)  # the offset of position n-1
-        h_ATSD, logits_AV = draft_step(
-            ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk, last_A
-        )
-        if k < J:
-            ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
-        _, q_AV = sample_logits(logits_AV, rs)
-        draft_A = ctx.rows.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
-        tokens_BN[rows_A, torch.where(live_A, n_A + k, trash)] = draft_A
-        drafts.append(draft_A)
-        qs.append(q_AV)
-    return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
-
-
-def verify(
-    ctx: SpecContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, drafts_AJ: Tensor,
-    q_AJV: Tensor, limit: int,
-) -> Tensor:  # fmt: skip
-    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns
-    [A, 1 + 2T] fp64: accepted drafts a, the T emitted tokens, their logprobs (the first a + 1
-    are real). The next token goes to tokens_BN at n + 1 + a."""
-    (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
-    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
-    pos_AT = n_A[:, None] + torch.arange(T, device=rows_A.device)
-    live_AT = live_A[:, None].expand(A, T)
-    positions_AT = torch.where(live_AT, pos_AT, trash)
-    chunk = chunk_at(rows_A, prefix, positions_AT, live_AT, rope=ctx.rope, limit=limit)
-    tokens_AT = tokens_BN[rows_A[:, None], torch.where(live_AT, pos_AT, 0)]
-    ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
-    ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
-    rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
-    logp_AV, p_AV = sample_logits(logits_ATV.reshape(A * T, -1), rs)  # A*T rows
-    tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)
-    u_AJ = ctx.rows.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
-    u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
-    num_acc_A, next_A = accept_drafts(p_AV.view(A, T, -1), q_AJV, drafts_AJ, u_AJ, u_A)
-    tokens_BN[rows_A, torch.where(live_A, n_A + 1 + num_acc_A, trash)] = next_A
-    emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
-    emitted_AT[torch.arange(A, device=rows_A.device), num_acc_A] = next_A
-    logp_AT = logp_AV.view(A, T, -1).gather(-1, emitted_AT[..., None]).squeeze(-1)
-    return torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
-
-
-def speculative_step(
-    ctx: SpecContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
-) -> Tensor:
-    """Draft, verify, accept: one step of every row of `rows_A` (see `verify` for the result)."""
-    drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, state_KA, limit)
-    return verify(ctx, rows_A, prefix, state_KA, drafts_AJ, q_AJV, limit)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,94 @@
+"""Where the S=4 train step's extra time goes: device time per kernel, S=4 next to S=1.
+
+Profiles one forward + loss + backward of `train_step.py`'s model (h200-small by default, bf16
+autocast, no recompute) for each variant under torch.profiler, sums device time per kernel name
+(names cut to 60 characters) and prints, per kernel, the milliseconds per step of every variant
+and the difference to the first variant, largest difference first, then the totals next to the
+wall time of the same steps: wall - device is time the GPU sat idle (launch or host bound).
+
+  python benchmarks/train_profile.py                          # S1_M1 vs S4_M1, h200-small
+  python benchmarks/train_profile.py --variants S1_M0,S4_M0 --top 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from train_step import RESULTS, fwd_bwd, model_config, sizes
+
+from birkhoff.model import Transformer
+from birkhoff.train import TrainConfig
+
+
+def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, float], float]:
+    """(device ms per step of each kernel name, wall ms per step) of variant `name` (S4_M1)."""
+    streams, mtp = (int(part[1:]) for part in name.split("_"))
+    size = sizes(argparse.Namespace(**{**vars(args), "quick": False}))
+    torch.manual_seed(0)
+    model = Transformer(model_config(size, streams, mtp, args.mhc_kernels)).cuda()
+    ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), device="cuda")
+    train = TrainConfig(amp_dtype="bf16")
+    for _ in range(3):
+        fwd_bwd(model, ids_BT, train)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.repeats):
+            fwd_bwd(model, ids_BT, train)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.repeats
+    per_name: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name[:60]] += event.device_time / 1e3 / args.repeats
+    del model
+    torch.cuda.empty_cache()
+    return dict(per_name), wall_ms
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variants", default="S1_M1,S4_M1", help="first one is the baseline")
+    p.add_argument("--mhc-kernels", choices=("auto", "eager", "triton"), default="auto")
+    for flag in ("dim", "layers", "heads", "seq", "batch", "iters"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("profiles device kernels: needs CUDA")
+    args.device = "cuda"
+    names = args.variants.split(",")
+    times, walls = {}, {}
+    for name in names:
+        times[name], walls[name] = profile_variant(name, args)
+    kernels = set().union(*times.values())
+    base = names[0]
+    rows = sorted(kernels, key=lambda k: -(times[names[-1]].get(k, 0) - times[base].get(k, 0)))
+    print(f"{'kernel':<62}" + "".join(f"{n:>10}" for n in names) + f"{'diff':>10}")
+    for k in rows[: args.top]:
+        vals = [times[n].get(k, 0.0) for n in names]
+        print(f"{k:<62}" + "".join(f"{v:>10.2f}" for v in vals) + f"{vals[-1] - vals[0]:>10.2f}")
+    totals = {n: sum(times[n].values()) for n in names}
+    print(f"{'device total (ms)':<62}" + "".join(f"{totals[n]:>10.2f}" for n in names))
+    print(f"{'wall (ms)':<62}" + "".join(f"{walls[n]:>10.2f}" for n in names))
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "kernels_ms": times,
+                              "device_ms": totals, "wall_ms": walls}  # fmt: skip
+    out = args.out or RESULTS / "train_profile-cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({"device_ms": totals, "wall_ms": walls}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

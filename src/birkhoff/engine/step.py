@@ -1,0 +1,152 @@
+"""The steps a generation runs on the device: plain decode, and draft + verify + accept.
+
+Legend: A rows of a step, J drafts per step, T tokens of a chunk (plain: 1; verify: J+1),
+V vocab, S streams, D model dim, B cache rows, N cache positions.
+
+A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
+sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
+(`plain_step`: pending position n and a live flag; `speculative_step`: those plus the first
+position each draft depth recomputes). It builds its chunk, runs the model, samples, writes
+the tokens it produced into `tokens_BN` and returns one fp64 result row per row, so it has
+static shapes and no host sync: graphs.py replays it as one CUDA graph; eagerly it is the
+reference. Rows that hold no request (the padding of a graph's batch bucket) are not live: they
+read and write only the trash slot and their results are dropped.
+
+Speculative step (decode.py has the bookkeeping): depth k always covers J + k positions from its
+first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
+`Generation.catch_up_drafter` runs a new request's depths over its prompt first), padding the
+rest onto the trash slot; verify runs the main model on [t_n, d_1..d_J] at positions n..n+J;
+speculative.accept_drafts decides. Sampling is sampling.py's; every draw is keyed by the row's
+request, the pending position and a tag (rng.py), so a step's randomness is batch-independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from birkhoff.config import ModelConfig
+from birkhoff.engine.forward import Weights, chunk_at, decode_step, draft_step
+from birkhoff.engine.kv_cache import DrafterState, KVCache
+from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE
+from birkhoff.engine.rows import RowState
+from birkhoff.engine.sampling import sample_logits
+from birkhoff.engine.speculative import accept_drafts
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What a step reads and writes besides its per-row state (all allocated once)."""
+
+    w: Weights
+    cfg: ModelConfig
+    cache: KVCache
+    drafter: DrafterState | None
+    rows: RowState
+    rope: tuple[Tensor, Tensor]
+    num_drafts: int
+    filtered: bool  # some row of the step samples with top-k / top-p
+
+
+def sample_next(
+    ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(token [A], its logprob [A]) sampled from the main model's logits at pending position n,
+    written to tokens_BN at n + 1."""
+    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
+    logp_AV, probs_AV = sample_logits(logits_AV, rs)
+    next_A = ctx.rows.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
+    ctx.rows.tokens_BN[rows_A, torch.where(live_A, n_A + 1, ctx.cache.trash)] = next_A
+    return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+
+
+def plain_step(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
+) -> Tensor:
+    """One plain decode step (state [2, A]: n, live): [A, 2] fp64 of (next token, logprob)."""
+    n_A, live_A = state_KA[0], state_KA[1].bool()
+    positions_A1 = torch.where(live_A, n_A, ctx.cache.trash)[:, None]
+    chunk = chunk_at(rows_A, prefix, positions_A1, live_A[:, None], rope=ctx.rope, limit=limit)
+    tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], torch.where(live_A, n_A, 0)[:, None]]
+    _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
+    next_A, logp_A = sample_next(ctx, rows_A, n_A, live_A, logits_A1V[:, 0])
+    return torch.stack((next_A.double(), logp_A.double()), dim=1)
+
+
+def speculative_state(n: list[int], live: list[int], valid: list[list[int]]) -> list[list[int]]:
+    """The [J+2, A] state of a speculative step: pending positions, live flags, and per depth
+    the first position to recompute."""
+    return [n, live, *valid]
+
+
+def draft(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
+) -> tuple[Tensor, Tensor]:
+    """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
+    state_KA[1 + k] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
+    assert ctx.drafter is not None
+    J, trash, device = ctx.num_drafts, ctx.cache.trash, rows_A.device
+    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
+    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
+    drafts, qs = [], []
+    for k in range(1, J + 1):
+        start_A, T = state_KA[1 + k], J + k
+        pos_AT = start_A[:, None] + torch.arange(T, device=device)
+        ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
+        positions_AT = torch.where(ok_AT, pos_AT, trash)
+        chunk = chunk_at(rows_A, prefix, positions_AT, ok_AT, rope=ctx.rope, limit=limit)
+        # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
+        tokens_AT = tokens_BN[rows_A[:, None], torch.where(ok_AT, pos_AT + k, 0)]
+        h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
+        last_A = (n_A - 1 - start_A).clamp(0, T - 1)  # the offset of position n-1
+        h_ATSD, logits_AV = draft_step(
+            ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk, last_A
+        )
+        if k < J:
+            ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
+        _, q_AV = sample_logits(logits_AV, rs)
+        draft_A = ctx.rows.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
+        tokens_BN[rows_A, torch.where(live_A, n_A + k, trash)] = draft_A
+        drafts.append(draft_A)
+        qs.append(q_AV)
+    return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+
+
+def verify(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, drafts_AJ: Tensor,
+    q_AJV: Tensor, limit: int,
+) -> Tensor:  # fmt: skip
+    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns
+    [A, 1 + 2T] fp64: accepted drafts a, the T emitted tokens, their logprobs (the first a + 1
+    are real). The next token goes to tokens_BN at n + 1 + a."""
+    assert ctx.drafter is not None
+    (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
+    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
+    pos_AT = n_A[:, None] + torch.arange(T, device=rows_A.device)
+    live_AT = live_A[:, None].expand(A, T)
+    positions_AT = torch.where(live_AT, pos_AT, trash)
+    chunk = chunk_at(rows_A, prefix, positions_AT, live_AT, rope=ctx.rope, limit=limit)
+    tokens_AT = tokens_BN[rows_A[:, None], torch.where(live_AT, pos_AT, 0)]
+    ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
+    ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
+    rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
+    logp_AV, p_AV = sample_logits(logits_ATV.reshape(A * T, -1), rs)  # A*T rows
+    tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)
+    u_AJ = ctx.rows.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
+    u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
+    num_acc_A, next_A = accept_drafts(p_AV.view(A, T, -1), q_AJV, drafts_AJ, u_AJ, u_A)
+    tokens_BN[rows_A, torch.where(live_A, n_A + 1 + num_acc_A, trash)] = next_A
+    emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
+    emitted_AT[torch.arange(A, device=rows_A.device), num_acc_A] = next_A
+    logp_AT = logp_AV.view(A, T, -1).gather(-1, emitted_AT[..., None]).squeeze(-1)
+    return torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
+
+
+def speculative_step(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
+) -> Tensor:
+    """Draft, verify, accept: one step of every row of `rows_A` (see `verify` for the result)."""
+    drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, state_KA, limit)
+    return verify(ctx, rows_A, prefix, state_KA, drafts_AJ, q_AJV, limit)
