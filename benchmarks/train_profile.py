@@ -28,8 +28,27 @@ from birkhoff.model import Transformer
 from birkhoff.train import TrainConfig
 
 
+def host_and_wall_ms(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> list[float]:
+    """[host ms to issue one step, wall ms of the step]: equal when the host is the bound."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fwd_bwd(model, ids_BT, train)
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return [(issued - start) * 1e3, (time.perf_counter() - start) * 1e3]
+
+
+def host_ops(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+    """The ops with the most host (self CPU) time in one step, as torch.profiler's table."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd_bwd(model, ids_BT, train)
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, float], float]:
-    """(device ms per step of each kernel name, wall ms per step) of variant `name` (S4_M1)."""
+    """(device ms per step of each kernel name, wall ms per step) of variant `name` (S4_M1);
+    prints the host time to issue a step against its wall time, and the top host ops."""
     streams, mtp = (int(part[1:]) for part in name.split("_"))
     size = sizes(argparse.Namespace(**{**vars(args), "quick": False}))
     torch.manual_seed(0)
@@ -38,6 +57,9 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     train = TrainConfig(amp_dtype="bf16")
     for _ in range(3):
         fwd_bwd(model, ids_BT, train)
+    host, wall = min(host_and_wall_ms(model, ids_BT, train) for _ in range(3))
+    print(f"{name}: host issues a step in {host:.1f} ms, the step takes {wall:.1f} ms")
+    print(host_ops(model, ids_BT, train, args.top_host))
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -62,6 +84,7 @@ def main(argv: list[str]) -> int:
         p.add_argument(f"--{flag}", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--top-host", type=int, default=15, help="host ops listed per variant")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -213,7 +213,7 @@ def mtp_forward(
     return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)
 
 
-# --- steps: the units the engine runs eagerly or replays as CUDA graphs (engine/graphs.py) ---
+# --- the model passes of a step (engine/step.py adds chunks, sampling and acceptance) ---
 
 
 def decode_step(
