@@ -1,4 +1,4 @@
-"""Runs the interpreter cases (mHC ops; RMSNorm and rope) in a fresh process with
+"""Runs the interpreter cases (mHC ops; RMSNorm and rope; random numbers) in a fresh process with
 TRITON_INTERPRET=1.
 
 Triton reads TRITON_INTERPRET when a kernel is defined (at import of birkhoff.kernels), so the
@@ -17,7 +17,9 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("cases", ["mhc_interpret_cases.py", "norm_rope_interpret_cases.py"])
+@pytest.mark.parametrize(
+    "cases", ["mhc_interpret_cases.py", "norm_rope_interpret_cases.py", "rng_interpret_cases.py"]
+)
 def test_fused_ops_under_the_triton_interpreter(cases: str) -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1] / "src"))

@@ -161,7 +161,9 @@ class Engine:
 
     def row_state(self) -> RowState:
         if self._rows is None:
-            self._rows = RowState.build(self.max_batch_size, self.capacity, self.device)
+            self._rows = RowState.build(
+                self.max_batch_size, self.capacity, self.device, kernels=self.cfg.mhc_kernels
+            )
         return self._rows
 
     def drafter_state(self) -> DrafterState:

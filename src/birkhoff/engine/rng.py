@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.engine.transfer import to_device
+from birkhoff.kernels import use_fused
 
 SAMPLE = 0  # draw tags within a step
 DRAFT = 0  # DRAFT + k for the draft of depth k = 1..MAX_DRAFTS
@@ -74,12 +75,13 @@ class RequestRandom:
 
     `keys_R` holds one int64 key per cache row (set when a request takes the row);
     `uniform(rows, positions, tags)` returns fp64 uniforms in [0, 1), one per element of the
-    broadcast of its three arguments.
+    broadcast of its three arguments; with fused kernels (`kernels`, as `ModelConfig.mhc_kernels`)
+    one Triton launch computes the same bits (kernels/rng.py).
     """
 
-    def __init__(self, num_rows: int, device: torch.device) -> None:
+    def __init__(self, num_rows: int, device: torch.device, kernels: str = "eager") -> None:
         self.keys_R = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.device = device
+        self.device, self.kernels = device, kernels
 
     @staticmethod
     def request_key(seed: int, request: int) -> int:
@@ -94,7 +96,12 @@ class RequestRandom:
     def uniform(self, rows: Tensor, positions: Tensor, tags: int | Tensor) -> Tensor:
         assert isinstance(tags, Tensor) or 0 <= tags < _TAGS, tags
         counter = positions.long() * _TAGS + tags
-        bits = splitmix64(self.keys_R[rows] ^ counter)  # keys are random: one mix suffices
+        key = self.keys_R[rows]
+        if use_fused(key, self.kernels):  # the same bits in one launch (kernels/rng.py)
+            from birkhoff.kernels.rng import splitmix_uniform
+
+            return splitmix_uniform(*torch.broadcast_tensors(key, counter))
+        bits = splitmix64(key ^ counter)  # keys are random: one mix suffices
         return _shr(bits, 11).double() * 2.0**-53  # 53 random bits -> [0, 1) exactly
 
     def sample(self, probs_NV: Tensor, rows_N: Tensor, positions_N: Tensor, tag: int) -> Tensor:

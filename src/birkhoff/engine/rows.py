@@ -26,6 +26,8 @@ class RowState:
     sampling: SamplingTable
 
     @classmethod
-    def build(cls, num_rows: int, capacity: int, device: torch.device) -> RowState:
+    def build(cls, num_rows: int, capacity: int, device: torch.device, *, kernels: str) -> RowState:
+        """`kernels`: the engine model's `mhc_kernels` (fused random numbers on CUDA)."""
         tokens_BN = torch.zeros(num_rows, capacity, dtype=torch.long, device=device)
-        return cls(tokens_BN, RequestRandom(num_rows, device), SamplingTable(num_rows, device))
+        rng = RequestRandom(num_rows, device, kernels)
+        return cls(tokens_BN, rng, SamplingTable(num_rows, device))

@@ -1,0 +1,22 @@
+"""Fused splitmix64 uniforms against the eager reference under the Triton interpreter on CPU
+(run by test_mhc_interpret.py in a fresh process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from rng_cases import SIZES, check_request_random, check_uniform_bits
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_uniform_bits_equal_eager(size: int) -> None:
+    check_uniform_bits("cpu", size)
+
+
+def test_request_random_fused_equals_eager() -> None:
+    check_request_random("cpu")

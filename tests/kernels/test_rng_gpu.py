@@ -1,0 +1,21 @@
+"""Fused splitmix64 uniforms on CUDA against the eager reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rng_cases import SIZES, check_request_random, check_uniform_bits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_uniform_bits_equal_eager(size: int) -> None:
+    check_uniform_bits("cuda", size)
+
+
+def test_request_random_fused_equals_eager() -> None:
+    check_request_random("cuda")
