@@ -5,6 +5,8 @@ autocast, no recompute) for each variant under torch.profiler, sums device time 
 (names cut to 60 characters) and prints, per kernel, the milliseconds per step of every variant
 and the difference to the first variant, largest difference first, then the totals next to the
 wall time of the same steps: wall - device is time the GPU sat idle (launch or host bound).
+Before that, per variant: the host time to issue one step next to its wall time, the ops with
+the most host time (torch.profiler) and, with --python-profile N, cProfile's N Python hotspots.
 
   python benchmarks/train_profile.py                          # S1_M1 vs S4_M1, h200-small
   python benchmarks/train_profile.py --variants S1_M0,S4_M0 --top 40
@@ -13,7 +15,10 @@ wall time of the same steps: wall - device is time the GPU sat idle (launch or h
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -46,6 +51,19 @@ def host_ops(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: 
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
+def python_hotspots(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+    """cProfile of one step: the Python functions with the most own time (where host time goes
+    beyond the ops: wrappers, launchers, autograd glue)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fwd_bwd(model, ids_BT, train)
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, float], float]:
     """(device ms per step of each kernel name, wall ms per step) of variant `name` (S4_M1);
     prints the host time to issue a step against its wall time, and the top host ops."""
@@ -60,6 +78,8 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     host, wall = min(host_and_wall_ms(model, ids_BT, train) for _ in range(3))
     print(f"{name}: host issues a step in {host:.1f} ms, the step takes {wall:.1f} ms")
     print(host_ops(model, ids_BT, train, args.top_host))
+    if args.python_profile:
+        print(python_hotspots(model, ids_BT, train, args.python_profile))
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -85,6 +105,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--top-host", type=int, default=15, help="host ops listed per variant")
+    p.add_argument("--python-profile", type=int, default=0, help="list N cProfile hotspots")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
