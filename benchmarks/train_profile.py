@@ -6,7 +6,8 @@ autocast, no recompute) for each variant under torch.profiler, sums device time 
 and the difference to the first variant, largest difference first, then the totals next to the
 wall time of the same steps: wall - device is time the GPU sat idle (launch or host bound).
 Before that, per variant: the host time to issue one step next to its wall time, the ops with
-the most host time (torch.profiler) and, with --python-profile N, cProfile's N Python hotspots.
+the most host time (torch.profiler), with --python-profile N cProfile's N Python hotspots, and
+the device's idle time in one step charged to the host op whose late launch ended each gap.
 
   python benchmarks/train_profile.py                          # S1_M1 vs S4_M1, h200-small
   python benchmarks/train_profile.py --variants S1_M0,S4_M0 --top 40
@@ -15,11 +16,14 @@ the most host time (torch.profiler) and, with --python-profile N, cProfile's N P
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -64,6 +68,74 @@ def python_hotspots(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig
     return out.getvalue()
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def idle_gaps(trace: dict[str, Any], top: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Where the device sat idle, from a torch.profiler chrome trace: every gap between two
+    device activities is charged to the host op that launched the activity after the gap (its
+    outermost and innermost op), if that launch came after the device had gone idle (the host
+    was late); otherwise to "queued" (launched in time, started late). Returns (totals, the
+    `top` (op, ms) charges)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    launch_at = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    ops = sorted(
+        (e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"])
+    )
+    starts = [e["ts"] for e in ops]
+    root, stack = [], []  # root[i]: the outermost op enclosing op i
+    for i, e in enumerate(ops):
+        while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] < e["ts"]:
+            stack.pop()
+        root.append(root[stack[0]] if stack else i)
+        stack.append(i)
+
+    def launcher(t: float) -> str:
+        i = bisect.bisect_right(starts, t) - 1
+        while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < t:
+            i -= 1
+        if i < 0:
+            return "(no op)"
+        outer, inner = ops[root[i]]["name"][:50], ops[i]["name"][:40]
+        return outer if outer == inner else f"{outer} > {inner}"
+
+    charges: dict[str, float] = defaultdict(float)
+    totals = {"idle_ms": 0.0, "host_late_ms": 0.0, "queued_ms": 0.0}
+    for prev, nxt in itertools.pairwise(device):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap <= 0:
+            continue
+        totals["idle_ms"] += gap / 1e3
+        t = launch_at.get(nxt.get("args", {}).get("correlation"))
+        if t is not None and t > prev["ts"] + prev["dur"]:
+            totals["host_late_ms"] += gap / 1e3
+            charges[launcher(t)] += gap / 1e3
+        else:
+            totals["queued_ms"] += gap / 1e3
+    return totals, sorted(charges.items(), key=lambda kv: -kv[1])[:top]
+
+
+def idle_report(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+    """One profiled step's idle device time, charged to the host ops that were late."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fwd_bwd(model, ids_BT, train)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    totals, charges = idle_gaps(trace, top)
+    lines = [", ".join(f"{k} {v:.1f}" for k, v in totals.items())]
+    lines += [f"  {ms:8.2f} ms  {name}" for name, ms in charges]
+    return "\n".join(lines)
+
+
 def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, float], float]:
     """(device ms per step of each kernel name, wall ms per step) of variant `name` (S4_M1);
     prints the host time to issue a step against its wall time, and the top host ops."""
@@ -80,6 +152,8 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     print(host_ops(model, ids_BT, train, args.top_host))
     if args.python_profile:
         print(python_hotspots(model, ids_BT, train, args.python_profile))
+    print(f"{name}: idle device time of one profiled step (host late = launched after idle)")
+    print(idle_report(model, ids_BT, train, args.top_host))
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
