@@ -98,6 +98,32 @@ def hyper_loss(
     return [pre, post, res, h, y], list(grads)
 
 
+def sublayer_loss(
+    inp: dict[str, Tensor], c: Case, kernels: str, *, residual: bool = True
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Output and grads of a whole sublayer through `hyper.hyper_connection` (the fused path
+    folds mix out's g_x into the coefficient op's write of g_x); residual=False detaches mix
+    out's streams, leaving x only the gradient through the coefficients and the mix in."""
+    leaves = [inp[k].detach().clone().requires_grad_(True) for k in ("x", "phi", "alpha", "bias")]
+    x, phi, alpha, bias = leaves
+    f_in = inp["f_in"].detach().clone().requires_grad_(True)
+
+    def sublayer(h: Tensor) -> Tensor:
+        return torch.tanh(h + f_in)
+
+    if residual:
+        y = hyper.hyper_connection(
+            x, phi, alpha, bias, sublayer, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+    else:
+        h, _, post, res = hyper.coefficients_and_mix_in(
+            x, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+        y = hyper.mix_out(x.detach(), sublayer(h), post, res, kernels=kernels)
+    loss = (y.float() * inp["w_out"].float()).sum()
+    return [y], list(torch.autograd.grad(loss, [*leaves, f_in]))
+
+
 def contraction_loss(
     inp: dict[str, Tensor], c: Case, kernels: str
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -140,6 +166,28 @@ def check_hyper(
     out_e, grads_e = hyper_loss(inp, c, "eager")
     assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
     assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+
+
+def check_sublayer(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """The fused sublayer (mix out's g_x folded into the coefficient op's g_x) matches eager."""
+    inp = make_inputs(c, device, dtype)
+    out_f, grads_f = sublayer_loss(inp, c, "triton")
+    out_e, grads_e = sublayer_loss(inp, c, "eager")
+    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
+    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+
+
+def check_both_streams_gradients_matter(c: Case, device: str) -> None:
+    """x's eager gradient in `sublayer_loss` has two parts (the coefficients + mix in, and mix
+    out's residual H_res g_y), each over 10x the fp32 gradient tolerance: a fused path that
+    drops either one fails `check_sublayer` on this case."""
+    inp = make_inputs(c, device, torch.float32)
+    total = sublayer_loss(inp, c, "eager")[1][0]
+    coefficient_part = sublayer_loss(inp, c, "eager", residual=False)[1][0]
+    residual_part = total - coefficient_part
+    tol = GRAD_TOL * max(1.0, total.abs().max().item())
+    assert coefficient_part.abs().max().item() > 10 * tol, "x gets no coefficient gradient"
+    assert residual_part.abs().max().item() > 10 * tol, "x gets no residual gradient"
 
 
 def check_contraction(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:

@@ -7,7 +7,15 @@ import os
 
 import pytest
 import torch
-from mhc_cases import CASES, Case, case_id, check_contraction, check_hyper
+from mhc_cases import (
+    CASES,
+    Case,
+    case_id,
+    check_both_streams_gradients_matter,
+    check_contraction,
+    check_hyper,
+    check_sublayer,
+)
 from mhc_model_cases import check_safe_reclaim, check_train_step
 
 from birkhoff.kernels.mhc_configs import CONFIG, SWEEP
@@ -28,6 +36,40 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
     check_hyper(case, "cpu", joint=True)
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_sublayer_sums_both_gradients_of_the_streams(case: Case) -> None:
+    if case.B and case.kind == "random":  # where the check has the power to see a lost part
+        check_both_streams_gradients_matter(case, "cpu")
+    check_sublayer(case, "cpu")
+
+
+def _edges_into(loss: torch.Tensor, x: torch.Tensor) -> int:
+    """How many graph edges end at leaf x's gradient accumulator (> 1: autograd adds)."""
+    seen, todo, count = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            count += getattr(nxt, "variable", None) is x
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return count
+
+
+def test_fused_sublayer_sends_the_streams_one_gradient() -> None:
+    c = Case(S=4, iters=2)
+    inp = {k: v.requires_grad_(True) for k, v in _hyper_inputs(c).items()}
+    edges = {}
+    for kernels in ("triton", "eager"):
+        y = hyper.hyper_connection(
+            *inp.values(), torch.tanh, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+        edges[kernels] = _edges_into(y.sum(), inp["x"])
+    assert edges["triton"] == 1 and edges["eager"] > 1, edges  # fused: no autograd add for x
+
+
 def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
 
@@ -39,6 +81,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
+    check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_contraction(Case(S=2, D=40, B=2, T=17), "cpu")
     # one decode token: 5 column splits, summed two per load (2 + 2 + a masked 1)
     monkeypatch.setattr(mhc, "TAIL_ELEMENTS", 2 * 16 * 32)
@@ -48,6 +91,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
 def test_bf16_streams_match_eager() -> None:
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
+    check_sublayer(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
     check_contraction(Case(S=4, D=40, B=2, T=9), "cpu", torch.bfloat16)
 
 
@@ -57,6 +101,7 @@ def test_every_sweep_variant_matches_eager(variant: str, monkeypatch: pytest.Mon
         monkeypatch.setitem(CONFIG, key, entry)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", joint=True)
+    check_sublayer(Case(S=4, D=40, B=2, T=9, iters=3), "cpu")
     check_contraction(Case(S=4, D=40, B=2, T=9), "cpu")
 
 
@@ -114,14 +159,23 @@ def test_compile_traces_the_block_without_graph_break() -> None:
         )
         return y.square().sum()
 
-    compiled = torch.compile(block, backend="eager", fullgraph=True)
-    loss = compiled(**inp)
-    grads = torch.autograd.grad(loss, list(inp.values()))
-    ref = block(**inp)
-    ref_grads = torch.autograd.grad(ref, list(inp.values()))
-    torch.testing.assert_close(loss, ref)
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r)
+    def sublayer(x, phi, alpha, bias):  # type: ignore[no-untyped-def]
+        y = hyper.hyper_connection(
+            x, phi, alpha, bias, torch.tanh, iters=case.iters, norm_eps=1e-6, kernels="triton"
+        )  # the autograd node that hands mix out's g_x to the coefficient op's backward
+        return y.square().sum()
+
+    # aot_eager: AOTAutograd traces the backward too, and the node's view output of x
+    for fn, backend in ((block, "eager"), (sublayer, "eager"), (sublayer, "aot_eager")):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        loss = compiled(**inp)
+        grads = torch.autograd.grad(loss, list(inp.values()))
+        ref = fn(**inp)
+        ref_grads = torch.autograd.grad(ref, list(inp.values()))
+        torch.testing.assert_close(loss, ref)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r)
 
 
 def _hyper_inputs(case: Case) -> dict[str, torch.Tensor]:

@@ -72,7 +72,8 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
     ptrs = ("phit_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
             "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
             "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr", "part_ptr", "sq_ptr")  # fmt: skip
-    types = {n: f32 for n in ptrs} | {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr")}
+    types = {n: f32 for n in ptrs}
+    types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gr_ptr")}
     types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
     types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
     types |= dict(norm_eps="fp32", hc_eps="fp32")
@@ -93,9 +94,9 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))
-        for mix in (True, False):
-            usage[f"grad_x/{P}/{mix}"] = compile_for_h200(
-                K.grad_x, types, dict(P=P, MIX=mix) | const, launch
+        for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
+            usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
+                K.grad_x, types, dict(P=P, MIX=mix, RES=res) | const, launch
             )
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16") | const

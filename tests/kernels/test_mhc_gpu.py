@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mhc_cases import CASES, Case, case_id, check_contraction, check_hyper, make_inputs
+from mhc_cases import (
+    CASES,
+    Case,
+    case_id,
+    check_contraction,
+    check_hyper,
+    check_sublayer,
+    make_inputs,
+)
 from mhc_model_cases import check_engine_greedy, check_safe_reclaim, check_train_step
 
 from birkhoff.model import hyper
@@ -27,6 +35,12 @@ def test_hyper_fused_matches_eager(case: Case, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case, dtype: torch.dtype) -> None:
     check_hyper(case, "cuda", dtype, joint=True)
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sublayer_sums_both_gradients_of_the_streams(case: Case, dtype: torch.dtype) -> None:
+    check_sublayer(case, "cuda", dtype)
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
@@ -84,10 +98,16 @@ def test_inductor_compiles_the_block_without_graph_break() -> None:
         y = hyper.mix_out(x, torch.tanh(hyper.mix_in(x, pre)), post, res)
         return y.square().sum()
 
-    loss = torch.compile(block, fullgraph=True)(*leaves)
-    grads = torch.autograd.grad(loss, leaves)
-    ref = block(*leaves)
-    ref_grads = torch.autograd.grad(ref, leaves)
-    torch.testing.assert_close(loss, ref)
-    for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    def sublayer(x, phi, alpha, bias):  # type: ignore[no-untyped-def]
+        y = hyper.hyper_connection(x, phi, alpha, bias, torch.tanh, iters=20, norm_eps=1e-6)
+        return y.square().sum()
+
+    for fn in (block, sublayer):
+        torch._dynamo.reset()
+        loss = torch.compile(fn, fullgraph=True)(*leaves)
+        grads = torch.autograd.grad(loss, leaves)
+        ref = fn(*leaves)
+        ref_grads = torch.autograd.grad(ref, leaves)
+        torch.testing.assert_close(loss, ref)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

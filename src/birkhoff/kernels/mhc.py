@@ -26,6 +26,10 @@ Design choices:
 - One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
   backward folds g_y into g_H_pre and adds H_pre g_y to grad_x's g_x, so x's gradient from the
   coefficients and the mix in is written once.
+- `coefficients_and_mix_in_streams` also returns x, as a view from the same autograd node (a
+  `torch.autograd.Function` around the op: a custom op's outputs may not alias its inputs);
+  the mix out that reads it sends its g_x to that node, and grad_x adds it too, so x's gradient
+  from a whole sublayer is one kernel's write, with no autograd add.
 - Launch parameters live in `mhc_configs.CONFIG` (per kernel: tile sizes, num_warps,
   num_stages), read at every call; `benchmarks/mhc_sweep.py` times the variants on an H200
   and prints the fastest table. No `triton.autotune`:
@@ -58,8 +62,8 @@ from birkhoff.kernels.mhc_mix import (
 )
 
 __all__ = [
-    "check_inputs", "coefficients_and_mix_in", "contract", "contraction_weights",
-    "mhc_coefficients", "mix_in", "mix_out",
+    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
+    "contraction_weights", "mhc_coefficients", "mix_in", "mix_out",
 ]  # fmt: skip
 
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
@@ -165,12 +169,15 @@ def _(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, norm_eps, eps): 
 
 @torch.library.custom_op("birkhoff::mhc_coefficients_bwd", mutates_args=())
 def _coefficients_bwd_op(
-    g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, x_BTSD: Tensor, phi_PC: Tensor,
-    pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
+    g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, g_r: Tensor, x_BTSD: Tensor,
+    phi_PC: Tensor, pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
     iters: int, with_res: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b). g_y: the gradient of
-    the mix in (shape [0] if the op did not mix in); its g_x term joins the one write of g_x."""
+    the mix in (shape [0] if the op did not mix in); g_r: x's gradient from mix out's residual
+    path (shape [0] if not handed over). Both join the one write of g_x."""
+    if g_r.numel() and g_r.shape != x_BTSD.shape:
+        raise ValueError(f"g_r has shape {tuple(g_r.shape)}, x {tuple(x_BTSD.shape)}")
     S, D = x_BTSD.shape[-2:]
     N, C, P = rstd_BT.numel(), S * D, phi_PC.shape[0]
     g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
@@ -178,7 +185,7 @@ def _coefficients_bwd_op(
     g_x = torch.empty_like(x_BTSD)
     if not N:
         return g_x, torch.zeros_like(phi_PC), g_a
-    mix = g_y.numel() > 0
+    mix, res = g_y.numel() > 0, g_r.numel() > 0
     if mix:  # H_pre also reached the loss through y: g_pre += <g_y, x_j>
         g_pre = g_pre + mix_in_weight_grad(g_y, x_BTSD, pre)
     (SP, PP), cfg = _pads(S, P), _launch("coeff_bwd", x_BTSD, S)
@@ -191,8 +198,8 @@ def _coefficients_bwd_op(
     grid = (cdiv(N, int(cfg["BN"])), cdiv(C, int(cfg["BC"])))
     phi_f32 = phi_PC.float().contiguous()
     K.grad_x[grid](
-        g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, N, C, D, S,
-        P=P, MIX=mix, **cfg,
+        g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
+        N, C, D, S, P=P, MIX=mix, RES=res, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_phi", x_BTSD, S)
     tokens = int(cfg.pop("TOKENS"))
@@ -213,6 +220,7 @@ def _(
     g_post,
     g_res,
     g_y,
+    g_r,
     x_BTSD,
     phi_PC,
     pre,
@@ -227,15 +235,21 @@ def _(
     return torch.empty_like(x_BTSD), torch.empty_like(phi_PC), torch.empty_like(raw_BTP)
 
 
-def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _save(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, _norm_eps, eps = inputs
     pre, _, _, _, raw_BTP, rstd_BT = output
     ctx.save_for_backward(x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P)
-    ctx.mark_non_differentiable(raw_BTP, rstd_BT)
     ctx.hyper = (iters, with_res, with_mix, eps)
 
 
-def _coefficients_backward(ctx, g_pre, g_post, g_res, g_y, _g_raw, _g_rstd):  # type: ignore[no-untyped-def]
+def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    _save(ctx, inputs, output)
+    ctx.mark_non_differentiable(*output[4:])  # raw logits, rstd
+
+
+def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no-untyped-def]
+    """(g_x, g_phi, g_alpha, g_bias) from the outputs' gradients (None: zero) and what `_save`
+    kept; g_r: x's gradient from mix out's residual path, added into g_x (None: nothing)."""
     x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
     iters, with_res, with_mix, eps = ctx.hyper
     zero = _coefficients_fake(x_BTSD, phi_PC, with_res, with_mix)
@@ -243,19 +257,43 @@ def _coefficients_backward(ctx, g_pre, g_post, g_res, g_y, _g_raw, _g_rstd):  # 
         z.zero_() if g is None else g.contiguous()
         for g, z in zip((g_pre, g_post, g_res, g_y), zero[:4], strict=True)
     )
+    g_r = x_BTSD.new_empty((0,)) if g_r is None else g_r.contiguous()
     g_x, g_phi, g_a = _coefficients_bwd_op(
-        g_pre, g_post, g_res, g_y, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P, iters,
-        with_res, eps,
+        g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P,
+        iters, with_res, eps,
     )  # fmt: skip
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
     P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
     gz_P = (g_a * raw_BTP * rstd_BT[..., None]).reshape(-1, P).sum(0)
     sizes = [S, S, S * S] if with_res else [S]
     g_alpha = torch.stack([part.sum() for part in gz_P.split(sizes)])
-    return g_x, g_phi, g_alpha, g_a.reshape(-1, P).sum(0), None, None, None, None, None
+    return g_x, g_phi, g_alpha, g_a.reshape(-1, P).sum(0)
+
+
+def _coefficients_backward(ctx, g_pre, g_post, g_res, g_y, _g_raw, _g_rstd):  # type: ignore[no-untyped-def]
+    grads = _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, None)
+    return *grads, None, None, None, None, None
 
 
 _coefficients_op.register_autograd(_coefficients_backward, setup_context=_coefficients_setup)
+
+
+class _CoefficientsMixInStreams(torch.autograd.Function):
+    """The coefficient op with the mix in, whose node also gives x back, as a view (a custom
+    op's outputs may not alias its inputs, and a copy would cost more than the add it saves).
+    A mix out that reads this view sends its g_x here, into the op's one write of g_x."""
+
+    @staticmethod
+    def forward(ctx, x_BTSD, phi_PC, alpha, bias_P, iters, norm_eps, eps):  # type: ignore[no-untyped-def]
+        inputs = (x_BTSD, phi_PC, alpha, bias_P, iters, True, True, norm_eps, eps)
+        pre, post, res, y_BTD, raw_BTP, rstd_BT = _coefficients_op(*inputs)
+        _save(ctx, inputs, (pre, post, res, y_BTD, raw_BTP, rstd_BT))
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros
+        return y_BTD, pre, post, res, x_BTSD.view_as(x_BTSD)
+
+    @staticmethod
+    def backward(ctx, g_y, g_pre, g_post, g_res, g_r):  # type: ignore[no-untyped-def]
+        return *_coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r), None, None, None
 
 
 def _coefficients(
@@ -289,6 +327,20 @@ def coefficients_and_mix_in(
     pre, post, res, y = _coefficients(x_BTSD, phi_PC, alpha_3, bias_P, iters, True, True,
                                       norm_eps, eps)  # fmt: skip
     return y, pre, post, res
+
+
+def coefficients_and_mix_in_streams(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
+    iters: int, norm_eps: float, eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """`coefficients_and_mix_in` and the streams again, [B,T,S,D], for `mix_out` to read: a view
+    of x from the same autograd node, so the op's backward adds mix out's g_x (H_res g_y) into
+    its one write of g_x, and autograd sums no gradients for x."""
+    check_inputs(x_BTSD, phi_PC)
+    return _CoefficientsMixInStreams.apply(  # type: ignore[no-any-return]
+        x_BTSD.contiguous(), phi_PC.contiguous(), alpha_3.float().contiguous(),
+        bias_P.float().contiguous(), iters, norm_eps, eps,
+    )  # fmt: skip
 
 
 def contraction_weights(

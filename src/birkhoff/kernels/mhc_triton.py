@@ -19,8 +19,9 @@ PP: P padded to a power of two (>= 16).
   normalisation k is the state after it times its denominators, so no state is stored and
   nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
   rounding).
-- `grad_x`: g_x = g_raw @ phi + that term (+ the mix in's h g_y when the op also mixed in, so
-  g_x is written once), P exact fp32 FMAs per element.
+- `grad_x`: g_x = g_raw @ phi + that term (+ the mix in's h g_y when the op also mixed in,
+  + mix out's residual-path g_x when the sublayer handed it over, so g_x is written once), P
+  exact fp32 FMAs per element.
 - `grad_phi`: g_phi = g_raw^T @ x as partials over blocks of tokens, summed by the caller, on
   tensor cores (bf16 x: g_raw split into three bf16 terms, x read as stored).
 Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
@@ -232,12 +233,13 @@ def coeff_bwd(
 
 @triton.jit
 def grad_x(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, N, C, D, S,
-    P: tl.constexpr, MIX: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S,
+    P: tl.constexpr, MIX: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
-    column c is stream j = c // D) over a [BN, BC] tile, written once in the dtype of x. The
-    product has only P terms: exact fp32 FMAs, no tensor cores."""
+    column c is stream j = c // D; + g_r, the streams' gradient from the residual path of mix
+    out, when RES) over a [BN, BC] tile, written once in the dtype of x. The product has only P
+    terms: exact fp32 FMAs, no tensor cores."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     n_ok = n < N
@@ -246,6 +248,8 @@ def grad_x(
     offs = n64[:, None] * C + c[None, :]
     coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
     g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if RES:
+        g += tl.load(gr_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
         g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
         g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c < C, other=0.0)[None, :]

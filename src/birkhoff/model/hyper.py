@@ -18,8 +18,9 @@ Design choices:
 - The functions here are the eager reference and the CPU path. Each takes `kernels`
   ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
   `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere. Callers that pass
-  nothing (the engine) get "auto". `HyperConnection` calls `coefficients_and_mix_in`, which the
-  fused path runs as one op (the streams' gradient written once for both).
+  nothing (the engine) get "auto". `HyperConnection` runs `hyper_connection`
+  (`coefficients_and_mix_in`, F, `mix_out`); its fused path writes the streams' gradient once,
+  in the coefficient op's backward, for the coefficients, the mix in and mix out's residual.
 - The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
   home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
   Zero biases would start from maximal mixing (H_res uniform).
@@ -147,6 +148,30 @@ def mix_out(
     return y_BTSD.to(out)
 
 
+def hyper_connection(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor,
+    sublayer: Callable[[Tensor], Tensor], *, iters: int, norm_eps: float, eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:  # fmt: skip
+    """One mHC-wrapped sublayer: y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j.
+
+    `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
+    streams to the coefficient op's backward, which writes x's gradient once for all of it.
+    """
+    if use_fused(x_BTSD, kernels):
+        from birkhoff.kernels import mhc
+
+        # x_BTSD becomes the op's view of the (once made contiguous) streams
+        y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
+            x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
+        )
+        return mhc.mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res)
+    y_BTD, _, h_post, h_res = coefficients_and_mix_in(
+        x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps, kernels=kernels
+    )
+    return mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res, kernels=kernels)
+
+
 class HyperConnection(nn.Module):
     """The mHC wrapper of one sublayer: computes coefficients, mixes in, runs F, mixes out."""
 
@@ -162,13 +187,10 @@ class HyperConnection(nn.Module):
         self.bias = nn.Parameter(init_bias(S, home))
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        if use_fused(x_BTSD, self.kernels):  # one copy of the expanded input, not one per op
-            x_BTSD = x_BTSD.contiguous()
-        y_BTD, _, h_post, h_res = coefficients_and_mix_in(
-            x_BTSD, self.phi, self.alpha, self.bias, iters=self.iters, norm_eps=self.norm_eps,
-            eps=self.eps, kernels=self.kernels,
+        return hyper_connection(
+            x_BTSD, self.phi, self.alpha, self.bias, sublayer, iters=self.iters,
+            norm_eps=self.norm_eps, eps=self.eps, kernels=self.kernels,
         )  # fmt: skip
-        return mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res, kernels=self.kernels)
 
 
 class PlainResidual(nn.Module):
