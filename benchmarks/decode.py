@@ -61,10 +61,10 @@ def task_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> tor
     return torch.where(noise, torch.randint(0, vocab, (batch, length), generator=gen), ids)
 
 
-def train(cfg: ModelConfig, steps: int, device: torch.device) -> Transformer:
+def train(cfg: ModelConfig, steps: int, device: torch.device, lr: float = 3e-3) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         ids = task_batch(32, 64, cfg.vocab_size, gen).to(device)
@@ -217,7 +217,7 @@ def section_spec(args: argparse.Namespace, device: torch.device) -> list[dict[st
     cfg = ModelConfig(vocab_size=64, dim=args.spec_dim, num_layers=args.spec_layers,
                       num_heads=args.spec_heads, num_streams=4, mtp_depth=1,
                       max_seq_len=max(64, args.prompt_len + args.spec_new_tokens + 8))  # fmt: skip
-    model = train(cfg, args.train_steps, device)
+    model = train(cfg, args.train_steps, device, args.spec_lr)
     ks = sorted({0, *(int(k) for k in args.ks.split(","))})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     graphs = device.type == "cuda" and not args.no_graphs
@@ -323,6 +323,7 @@ def parse_args() -> argparse.Namespace:
     add("--spec-new-tokens", type=int, default=128)
     add("--ks", default="1,2", help="speculative tokens; 0 (plain, the baseline) always runs")
     add("--train-steps", type=int, default=300)
+    add("--spec-lr", type=float, default=3e-3, help="AdamW lr of the spec model (1e-3 at dim 768)")
     add("--cb-requests", type=int, default=128)
     add("--cb-batch", type=int, default=32)
     add("--cb-min-new", type=int, default=16)

@@ -75,11 +75,11 @@ def op_table(inp: dict[str, Tensor], iters: int) -> dict[str, Callable[[str], li
             x, inp["phi"], inp["alpha"], inp["bias"], iters=iters, norm_eps=1e-6, kernels=k
         ))  # fmt: skip
 
-    def sublayer(k: str) -> list[Tensor]:  # as HyperConnection.forward runs it
-        y, _, post, res = hyper.coefficients_and_mix_in(
-            x, inp["phi"], inp["alpha"], inp["bias"], iters=iters, norm_eps=1e-6, kernels=k
-        )
-        return [hyper.mix_out(x, y, post, res, kernels=k)]
+    def sublayer(k: str) -> list[Tensor]:  # HyperConnection.forward's function, F = identity
+        return [hyper.hyper_connection(
+            x, inp["phi"], inp["alpha"], inp["bias"], lambda h: h, iters=iters, norm_eps=1e-6,
+            kernels=k,
+        )]  # fmt: skip
 
     def contraction(k: str) -> list[Tensor]:
         return [hyper.contract(x, inp["phi_c"], inp["alpha_c"], inp["bias_c"], norm_eps=1e-6,

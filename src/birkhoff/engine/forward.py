@@ -9,7 +9,7 @@ depth catching up on accepted positions. Rows with fewer than T real positions a
 padded slots read and write the cache's trash slot and their outputs are ignored.
 
 Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, apply_rope,
-swiglu, coefficients_and_mix_in, mix_out, plain_residual, contract, single_stream,
+swiglu, hyper_connection, plain_residual, contract, single_stream,
 expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the engine
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
@@ -35,10 +35,9 @@ from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
 from birkhoff.engine.transfer import to_device
 from birkhoff.model.hyper import (
-    coefficients_and_mix_in,
     contract,
     expand_streams,
-    mix_out,
+    hyper_connection,
     plain_residual,
     single_stream,
 )
@@ -142,11 +141,10 @@ def hyper(
     """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x))."""
     if cfg.num_streams == 1:
         return plain_residual(x_ATSD, sublayer)
-    in_ATD, _, h_post, h_res = coefficients_and_mix_in(
-        x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"],
+    return hyper_connection(
+        x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"], sublayer,
         iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
     )  # fmt: skip
-    return mix_out(x_ATSD, sublayer(in_ATD), h_post, h_res, kernels=cfg.mhc_kernels)
 
 
 def block(
