@@ -7,7 +7,9 @@ Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments
 `mhc_coefficients`, `coefficients_and_mix_in`, `contraction_weights`, `contract`, and (from
 `mhc_mix`) `mix_in`, `mix_out`. Each runs a
 `torch.library.custom_op` (`birkhoff::mhc_*`) with `register_autograd` and a fake impl, so
-torch.compile traces through them without a graph break, and its backward is a custom op too.
+torch.compile traces through them without a graph break, and its backward is a custom op too;
+eager code calls the same implementations through `ops.FusedOp`'s direct entry (the custom-op
+dispatcher's host cost made the S = 4 training step host-bound).
 Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tensor hooks (the
 recompute registry) see them.
 
@@ -60,6 +62,7 @@ from birkhoff.kernels.mhc_mix import (
     pad_streams,
     pow2,
 )
+from birkhoff.kernels.ops import FusedOp
 
 __all__ = [
     "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
@@ -123,8 +126,7 @@ def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
     return phit_CP
 
 
-@torch.library.custom_op("birkhoff::mhc_coefficients", mutates_args=())
-def _coefficients_op(
+def _coefficients_impl(
     x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor,
     iters: int, with_res: bool, with_mix: bool, norm_eps: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
@@ -162,13 +164,14 @@ def _coefficients_fake(
     return new((*lead, S), dtype=f32), post, res, y, raw, new(lead, dtype=f32)
 
 
-@_coefficients_op.register_fake
-def _(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, norm_eps, eps):  # type: ignore[no-untyped-def]
+def _coefficients_fake_op(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, norm_eps, eps):  # type: ignore[no-untyped-def]
     return _coefficients_fake(x_BTSD, phi_PC, with_res, with_mix)
 
 
-@torch.library.custom_op("birkhoff::mhc_coefficients_bwd", mutates_args=())
-def _coefficients_bwd_op(
+_coefficients_op = FusedOp("mhc_coefficients", _coefficients_impl, _coefficients_fake_op)
+
+
+def _coefficients_bwd_impl(
     g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, g_r: Tensor, x_BTSD: Tensor,
     phi_PC: Tensor, pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
     iters: int, with_res: bool, eps: float,
@@ -214,8 +217,7 @@ def _coefficients_bwd_op(
     return g_x, g_phi, g_a
 
 
-@_coefficients_bwd_op.register_fake
-def _(
+def _coefficients_bwd_fake(
     g_pre,
     g_post,
     g_res,
@@ -233,6 +235,11 @@ def _(
     eps,
 ):  # type: ignore[no-untyped-def]
     return torch.empty_like(x_BTSD), torch.empty_like(phi_PC), torch.empty_like(raw_BTP)
+
+
+_coefficients_bwd_op = FusedOp(
+    "mhc_coefficients_bwd", _coefficients_bwd_impl, _coefficients_bwd_fake
+)
 
 
 def _save(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

@@ -5,10 +5,11 @@ Legend: B batch, T tokens (any leading shape works), S streams, D model dim.
 
 `mix_in` (y = sum_j h[j] x_j) and `mix_out` (y_k = H_post[k] F + sum_j H_res[j, k] x_j) are
 `torch.library.custom_op`s (`birkhoff::mhc_mix_*`) with `register_autograd` and fake impls; the
-backward is a custom op too. The kernels tile [BN tokens, BD columns] over a 2-D grid
-(`CONFIG["mix"]`); their reductions over D (g_h, g_post, g_res) come as one partial per D block,
-summed by torch in a fixed order. `mix_in_into` and `mix_in_weight_grad` are the kernel
-launches the coefficient op reuses when it mixes in itself.
+backward is a custom op too (eager code calls them through `ops.FusedOp`'s direct entry). The
+kernels tile [BN tokens, BD columns] over a 2-D grid (`CONFIG["mix"]`); their reductions over D
+(g_h, g_post, g_res) come as one partial per D block, summed by torch in a fixed order.
+`mix_in_into` and `mix_in_weight_grad` are the kernel launches the coefficient op reuses when
+it mixes in itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels.mhc_configs import CONFIG
+from birkhoff.kernels.ops import FusedOp
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
@@ -93,27 +95,29 @@ def mix_in_weight_grad(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
     return _mix_in_bwd(g_BTD, x_BTSD, h_BTS, None)
 
 
-@torch.library.custom_op("birkhoff::mhc_mix_in", mutates_args=())
-def _mix_in_op(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
+def _mix_in_impl(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
     y_BTD = x_BTSD.new_empty((*x_BTSD.shape[:-2], x_BTSD.shape[-1]))
     mix_in_into(y_BTD, x_BTSD, h_BTS)
     return y_BTD
 
 
-@_mix_in_op.register_fake
-def _(x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
+def _mix_in_fake(x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
     return x_BTSD.new_empty((*x_BTSD.shape[:-2], x_BTSD.shape[-1]))
 
 
-@torch.library.custom_op("birkhoff::mhc_mix_in_bwd", mutates_args=())
-def _mix_in_bwd_op(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> tuple[Tensor, Tensor]:
+_mix_in_op = FusedOp("mhc_mix_in", _mix_in_impl, _mix_in_fake)
+
+
+def _mix_in_bwd_impl(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> tuple[Tensor, Tensor]:
     g_x = torch.empty_like(x_BTSD)
     return g_x, _mix_in_bwd(g_BTD, x_BTSD, h_BTS, g_x)
 
 
-@_mix_in_bwd_op.register_fake
-def _(g_BTD, x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
+def _mix_in_bwd_fake(g_BTD, x_BTSD, h_BTS):  # type: ignore[no-untyped-def]
     return torch.empty_like(x_BTSD), torch.empty_like(h_BTS)
+
+
+_mix_in_bwd_op = FusedOp("mhc_mix_in_bwd", _mix_in_bwd_impl, _mix_in_bwd_fake)
 
 
 def _mix_in_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -136,8 +140,7 @@ def mix_in(x_BTSD: Tensor, h_BTS: Tensor) -> Tensor:
 # ---- mix out: y_k = h_post[k] f + sum_j h_res[j, k] x_j ---------------------------------------
 
 
-@torch.library.custom_op("birkhoff::mhc_mix_out", mutates_args=())
-def _mix_out_op(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor) -> Tensor:
+def _mix_out_impl(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor) -> Tensor:
     S, D = x_BTSD.shape[-2:]
     y_BTSD = torch.empty_like(x_BTSD, dtype=torch.promote_types(x_BTSD.dtype, f_BTD.dtype))
     N = post_BTS.numel() // S
@@ -147,13 +150,14 @@ def _mix_out_op(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tenso
     return y_BTSD
 
 
-@_mix_out_op.register_fake
-def _(x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
+def _mix_out_fake(x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
     return torch.empty_like(x_BTSD, dtype=torch.promote_types(x_BTSD.dtype, f_BTD.dtype))
 
 
-@torch.library.custom_op("birkhoff::mhc_mix_out_bwd", mutates_args=())
-def _mix_out_bwd_op(
+_mix_out_op = FusedOp("mhc_mix_out", _mix_out_impl, _mix_out_fake)
+
+
+def _mix_out_bwd_impl(
     g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     S, D = x_BTSD.shape[-2:]
@@ -172,9 +176,11 @@ def _mix_out_bwd_op(
     return g_x, g_f, g_post, g_res
 
 
-@_mix_out_bwd_op.register_fake
-def _(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
+def _mix_out_bwd_fake(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
     return tuple(torch.empty_like(t) for t in (x_BTSD, f_BTD, post_BTS, res_BTSS))
+
+
+_mix_out_bwd_op = FusedOp("mhc_mix_out_bwd", _mix_out_bwd_impl, _mix_out_bwd_fake)
 
 
 def _mix_out_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,65 @@
+"""A custom op with a direct eager entry: `FusedOp`.
+
+Every fused training op is a `torch.library` custom op with a fake impl and registered
+autograd, so torch.compile traces it as one node (no graph break) and its backward is a custom
+op too. In eager code the custom-op dispatcher is slow for what it does: argument
+normalisation, the generated autograd node, alias checks of the outputs and a dynamo guard cost
+the host 0.1-0.4 ms per call (cProfile of a training step on the H200's host,
+`benchmarks/train_profile.py --python-profile`), and at S = 4 a training step issues ~140 such
+calls, which made it host-bound. So outside compiled code a `FusedOp` calls the same
+implementation directly, and when a gradient is needed it runs it inside a
+`torch.autograd.Function` built from the same setup-context and backward functions the custom
+op registers: one implementation and one backward, two entry points (tests run both against
+the eager reference; `torch.library.opcheck` checks the registered op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class FusedOp:
+    """`birkhoff::<name>` from `impl` (type-annotated) and its fake impl; call it like `impl`."""
+
+    def __init__(self, name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+        self.impl, self.name = impl, name
+        self.op = torch.library.custom_op(f"birkhoff::{name}", impl, mutates_args=())
+        self.op.register_fake(fake)
+        self.function: Any = None  # the eager autograd.Function, once autograd is registered
+
+    def register_autograd(
+        self, backward: Callable[..., Any], *, setup_context: Callable[..., None]
+    ) -> None:
+        """Register `backward` (and `setup_context(ctx, inputs, output)`) on the custom op, and
+        build the eager autograd.Function from the same two functions."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        impl = self.impl
+
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = impl(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        def function_backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, *grads)
+
+        name = "".join(part.title() for part in self.name.split("_"))  # mhc_mix_out: MhcMixOut
+        self.function = type(
+            name,
+            (torch.autograd.Function,),
+            {"forward": staticmethod(forward), "backward": staticmethod(function_backward)},
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args
+        )
+        if needs_grad and self.function is not None:
+            return self.function.apply(*args)
+        return self.impl(*args)
