@@ -63,10 +63,11 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
     eager = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
     graphed = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
     graphed.graphs = EmulatedPool(4, graphed.capacity, graphed.device)
-    params = [  # later requests are shorter: the batch drains from its last rows
-        SamplingParams(36 - 6 * i, temperature=float(i % 2), seed=4, num_speculative_tokens=k)
+    params = [  # later requests are shorter: the batch drains from its last rows; one filters
+        SamplingParams(36 - 6 * i, temperature=float(i % 2), top_k=4 * (i == 3), seed=4,
+                       num_speculative_tokens=k)
         for i in range(len(PROMPTS))
-    ]
+    ]  # fmt: skip
     out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
     assert [c.tokens for c in out] == [c.tokens for c in ref]
     torch.testing.assert_close(
@@ -76,6 +77,7 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
     assert len({key[2] for key in keys}) >= 2 and len({key[3] for key in keys}) >= 2  # A', N'
     kinds = {key[0] for key in keys}
     assert kinds == {"speculative_step" if k else "plain_step"}  # every step through a graph
+    assert {key[4] for key in keys} == {False, True}  # steps with and without a top-k row
 
 
 def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
