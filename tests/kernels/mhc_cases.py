@@ -13,6 +13,7 @@ within 3e-2.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,23 +159,27 @@ def tolerances(dtype: torch.dtype, what: str) -> tuple[float, str]:
     return (GRAD_TOL if fp32 else BF16_GRAD_TOL), what
 
 
+def check_fused_vs_eager(
+    loss: Callable[..., tuple[list[Tensor], list[Tensor]]], c: Case, device: str,
+    dtype: torch.dtype, **fused_kwargs: bool,
+) -> None:  # fmt: skip
+    """`loss(inputs, case, kernels)`'s output and gradients, fused vs eager, within tolerance."""
+    inp = make_inputs(c, device, dtype)
+    out_f, grads_f = loss(inp, c, "triton", **fused_kwargs)
+    out_e, grads_e = loss(inp, c, "eager")
+    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
+    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+
+
 def check_hyper(
     c: Case, device: str, dtype: torch.dtype = torch.float32, joint: bool = False
 ) -> None:
-    inp = make_inputs(c, device, dtype)
-    out_f, grads_f = hyper_loss(inp, c, "triton", joint)
-    out_e, grads_e = hyper_loss(inp, c, "eager")
-    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
-    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+    check_fused_vs_eager(hyper_loss, c, device, dtype, joint=joint)
 
 
 def check_sublayer(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
     """The fused sublayer (mix out's g_x folded into the coefficient op's g_x) matches eager."""
-    inp = make_inputs(c, device, dtype)
-    out_f, grads_f = sublayer_loss(inp, c, "triton")
-    out_e, grads_e = sublayer_loss(inp, c, "eager")
-    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
-    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+    check_fused_vs_eager(sublayer_loss, c, device, dtype)
 
 
 def check_both_streams_gradients_matter(c: Case, device: str) -> None:
@@ -191,8 +196,4 @@ def check_both_streams_gradients_matter(c: Case, device: str) -> None:
 
 
 def check_contraction(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
-    inp = make_inputs(c, device, dtype)
-    out_f, grads_f = contraction_loss(inp, c, "triton")
-    out_e, grads_e = contraction_loss(inp, c, "eager")
-    assert_close(out_f, out_e, *tolerances(dtype, "outputs"))
-    assert_close(grads_f, grads_e, *tolerances(dtype, "grads"))
+    check_fused_vs_eager(contraction_loss, c, device, dtype)
