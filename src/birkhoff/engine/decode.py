@@ -246,7 +246,12 @@ class Generation:
             [self.n[i] for i in rows], [1] * len(rows), [[v[i] for i in rows] for v in self.valid]
         )
         limit = max(self.n[i] for i in rows) + J + 1
-        out = self.steps.run(speculative_step, self.context(rows), rows, state, limit).tolist()
+        ctx = self.context(rows)
+        if not self.steps.static_shapes:  # each depth only as long as its longest row
+            ctx = replace(
+                ctx, draft_lengths=tuple(max(self.n[i] - v[i] for i in rows) for v in self.valid)
+            )
+        out = self.steps.run(speculative_step, ctx, rows, state, limit).tolist()
         for k, valid in enumerate(self.valid, start=1):
             for i in rows:  # positions j <= n-k used accepted tokens only
                 valid[i] = max(0, self.n[i] - k + 1)

@@ -67,6 +67,8 @@ def fingerprint(weights: Weights) -> Fingerprint:
 class Steps:
     """Steps run eagerly on the active rows."""
 
+    static_shapes = False  # steps may take shapes that fit the rows exactly
+
     def run(
         self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int
     ) -> Tensor:
@@ -138,6 +140,8 @@ class GraphPool:
 
 class GraphSteps(Steps):
     """Steps replayed from the CUDA graphs of `pool` for the weights `weights`."""
+
+    static_shapes = True
 
     def __init__(self, pool: GraphPool, weights: Weights) -> None:
         self.pool, self.graphs = pool, pool.graphs_for(weights)

@@ -15,7 +15,8 @@ read and write only the trash slot and their results are dropped.
 Speculative step (decode.py has the bookkeeping): depth k always covers J + k positions from its
 first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
 `Generation.catch_up_drafter` runs a new request's depths over its prompt first), padding the
-rest onto the trash slot; verify runs the main model on [t_n, d_1..d_J] at positions n..n+J;
+rest onto the trash slot (eager steps may run each depth only as long as its longest row:
+`StepContext.draft_lengths`); verify runs the main model on [t_n, d_1..d_J] at positions n..n+J;
 speculative.accept_drafts decides. Sampling is sampling.py's; every draw is keyed by the row's
 request, the pending position and a tag (rng.py), so a step's randomness is batch-independent.
 """
@@ -48,6 +49,7 @@ class StepContext:
     rope: tuple[Tensor, Tensor]
     num_drafts: int
     filtered: bool  # some row of the step samples with top-k / top-p
+    draft_lengths: tuple[int, ...] = ()  # positions per depth; () = J + k (static shapes)
 
 
 def sample_next(
@@ -92,7 +94,7 @@ def draft(
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
     drafts, qs = [], []
     for k in range(1, J + 1):
-        start_A, T = state_KA[1 + k], J + k
+        start_A, T = state_KA[1 + k], ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
         pos_AT = start_A[:, None] + torch.arange(T, device=device)
         ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
         positions_AT = torch.where(ok_AT, pos_AT, trash)
