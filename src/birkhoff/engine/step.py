@@ -12,7 +12,7 @@ static shapes and no host sync: graphs.py replays it as one CUDA graph; eagerly 
 reference. Rows that hold no request (the padding of a graph's batch bucket) are not live: they
 read and write only the trash slot and their results are dropped.
 
-Speculative step (decode.py has the bookkeeping): depth k always covers J + k positions from its
+Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
 first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
 `Generation.catch_up_drafter` runs a new request's depths over its prompt first), padding the
 rest onto the trash slot (eager steps may run each depth only as long as its longest row:
