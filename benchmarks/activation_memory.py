@@ -73,6 +73,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--residual-dtype", choices=("fp32", "autocast"), default="fp32")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -82,13 +83,15 @@ def main(argv: list[str]) -> int:
     for name in args.variants.split(","):
         streams, mtp = (int(part[1:]) for part in name.split("_"))
         torch.manual_seed(0)
-        model = Transformer(model_config(size, streams, mtp, "triton")).to(device)
+        cfg = model_config(size, streams, mtp, "triton", args.residual_dtype)
+        model = Transformer(cfg).to(device)
         ids_BT = torch.randint(0, model.cfg.vocab_size, (args.batch, args.seq), device=device)
         saved = saved_bytes_by_module(model, ids_BT, device)
         per_token[name] = {k: v / tokens / 1024 for k, v in saved.items()}
     names = list(per_token)
     kinds = sorted(set().union(*per_token.values()), key=lambda k: -per_token[names[-1]].get(k, 0))
-    print(f"KiB saved per token, dim {args.dim}, {args.layers} layers (+ MTP), bf16 autocast")
+    print(f"KiB saved per token, dim {args.dim}, {args.layers} layers (+ MTP), bf16 autocast, "
+          f"residual {args.residual_dtype}")  # fmt: skip
     print(f"{'module':<24}" + "".join(f"{n:>10}" for n in names) + f"{'diff':>10}")
     for k in [*kinds, "total"]:
         vals = [
@@ -96,7 +99,8 @@ def main(argv: list[str]) -> int:
         ]
         print(f"{k:<24}" + "".join(f"{v:>10.2f}" for v in vals) + f"{vals[-1] - vals[0]:>10.2f}")
     result = {"args": vars(args) | {"out": str(args.out)}, "kib_per_token": per_token}
-    out = args.out or RESULTS / f"activation_memory-{args.device}.json"
+    suffix = "" if args.residual_dtype == "fp32" else f"-residual-{args.residual_dtype}"
+    out = args.out or RESULTS / f"activation_memory-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({n: round(sum(v.values()), 2) for n, v in per_token.items()}))

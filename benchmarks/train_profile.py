@@ -142,7 +142,8 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     streams, mtp = (int(part[1:]) for part in name.split("_"))
     size = sizes(argparse.Namespace(**{**vars(args), "quick": False}))
     torch.manual_seed(0)
-    model = Transformer(model_config(size, streams, mtp, args.mhc_kernels)).cuda()
+    cfg = model_config(size, streams, mtp, args.mhc_kernels, args.residual_dtype)
+    model = Transformer(cfg).cuda()
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), device="cuda")
     train = TrainConfig(amp_dtype="bf16")
     for _ in range(3):
@@ -176,6 +177,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mhc-kernels", choices=("auto", "eager", "triton"), default="auto")
     for flag in ("dim", "layers", "heads", "seq", "batch", "iters"):
         p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--residual-dtype", choices=("fp32", "autocast"), default="fp32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--top-host", type=int, default=15, help="host ops listed per variant")

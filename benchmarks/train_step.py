@@ -76,6 +76,8 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="comma-separated (default S1_M0,S4_M0,S1_M1,S4_M1; --moe: S4_M1,S4_M1_moe)",
     )
+    p.add_argument("--residual-dtype", choices=("fp32", "autocast"), default="fp32",
+                   help="the streams' dtype under autocast (ModelConfig)")  # fmt: skip
     p.add_argument("--moe", action="store_true", help="MoE vs dense of equal active parameters")
     p.add_argument("--experts", type=int, default=None, help="routed experts (32; quick: 4)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
@@ -95,11 +97,13 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
     return base | given
 
 
-def model_config(size: dict[str, int], streams: int, mtp: int, kernels: str) -> ModelConfig:
+def model_config(
+    size: dict[str, int], streams: int, mtp: int, kernels: str, residual: str = "fp32"
+) -> ModelConfig:
     return ModelConfig(
         vocab_size=h200_small().model.vocab_size, dim=size["dim"], num_layers=size["layers"],
         num_heads=size["heads"], num_streams=streams, mtp_depth=mtp, max_seq_len=size["seq"],
-        mhc_kernels=kernels,
+        mhc_kernels=kernels, residual_dtype=residual,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -166,7 +170,7 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> 
 def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
                 device: torch.device, *, moe: bool = False) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
-    cfg = model_config(size, streams, mtp, args.mhc_kernels)
+    cfg = model_config(size, streams, mtp, args.mhc_kernels, args.residual_dtype)
     experts = args.experts or (4 if args.quick else 32)
     model = Transformer(same_active_moe(cfg, experts) if moe else cfg).to(device)
     if args.recompute == "full":  # every block and MTP depth, safe reclaim

@@ -45,6 +45,9 @@ class ModelConfig:
     mhc_eps: float = 1e-6  # eps of H_pre = sigmoid + eps and of the Sinkhorn entries/denominators
     # auto: fused Triton ops on CUDA (the mHC ops; in the engine also RMSNorm and rope)
     mhc_kernels: Literal["auto", "eager", "triton"] = "auto"
+    # the residual streams' dtype under autocast: "fp32" (kept in fp32), or "autocast" (the
+    # autocast dtype, e.g. bf16: half the bytes the mixes move and the backward saves)
+    residual_dtype: Literal["fp32", "autocast"] = "fp32"
     mtp_depth: int = 1  # M; 0 = no multi-token prediction
     mtp_loss_weight: float = 0.3  # lambda in L = L_main + lambda/M * sum_k L_k
     max_seq_len: int = 256
@@ -93,6 +96,8 @@ class ModelConfig:
         check(0 < self.mhc_eps < 1e-2, "mhc_eps", self.mhc_eps, "must be in (0, 1e-2)")
         kernels = self.mhc_kernels
         check(kernels in ("auto", "eager", "triton"), "mhc_kernels", kernels, "auto|eager|triton")
+        residual = self.residual_dtype
+        check(residual in ("fp32", "autocast"), "residual_dtype", residual, "fp32|autocast")
         check(self.mtp_depth >= 0, "mtp_depth", self.mtp_depth, "must be >= 0")
         w = self.mtp_loss_weight
         check(math.isfinite(w) and w >= 0, "mtp_loss_weight", w, "must be finite and >= 0")

@@ -118,3 +118,35 @@ def test_bad_labels_and_mask_raise() -> None:
         model(ids, labels=ids[:, :3])
     with pytest.raises(ValueError, match="loss_mask shape"):
         model(ids, labels=ids, loss_mask=torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_residual_dtype_autocast_keeps_the_streams_in_bf16(streams: int) -> None:
+    """residual_dtype="autocast": under bf16 autocast the streams (and the MTP depths' input)
+    are bf16 from the embedding on, the loss stays close to fp32 streams' and every parameter
+    gets a gradient; without autocast both settings are the same model, exactly."""
+    base = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_streams=streams,
+                       mtp_depth=1, max_seq_len=32)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for residual in ("fp32", "autocast"):
+        torch.manual_seed(0)
+        model = Transformer(base.replace(residual_dtype=residual))
+        with torch.no_grad():
+            plain = model(ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+            streams_dtype = model.decoder(ids).multistream.dtype
+        assert out.loss is not None and plain is not None
+        out.loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        expected = torch.bfloat16 if residual == "autocast" else torch.float32
+        assert streams_dtype == expected
+        losses[residual] = (float(plain), float(out.loss.detach()))
+    assert losses["fp32"][0] == losses["autocast"][0]  # no autocast: the same model
+    assert abs(losses["fp32"][1] - losses["autocast"][1]) < 0.05
+
+
+def test_residual_dtype_is_validated() -> None:
+    with pytest.raises(ValueError, match="residual_dtype"):
+        ModelConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2, residual_dtype="fp16")  # type: ignore[arg-type]

@@ -79,9 +79,18 @@ class Transformer(nn.Module):
         positions_BT = torch.arange(T, device=device)[None, :]
         return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, cfg=self.cfg)
 
+    def residual(self, x_BTD: Tensor) -> Tensor:
+        """The embedding as the residual's first value: in the autocast dtype when the config's
+        `residual_dtype` is "autocast" and autocast is on (every later residual update then
+        stays in it), else as it is (fp32 with fp32 weights)."""
+        device = x_BTD.device.type
+        if self.cfg.residual_dtype == "autocast" and torch.is_autocast_enabled(device):
+            return x_BTD.to(torch.get_autocast_dtype(device))
+        return x_BTD
+
     def decoder(self, input_ids_BT: Tensor) -> DecoderOutput:
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
-        x_BTSD = expand_streams(self.embed(input_ids_BT), self.cfg.num_streams)
+        x_BTSD = expand_streams(self.residual(self.embed(input_ids_BT)), self.cfg.num_streams)
         for block in self.blocks:
             x_BTSD = block(x_BTSD, rope)
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
