@@ -239,18 +239,15 @@ class Generation:
 
     def speculative_step(self, rows: list[int]) -> None:
         """Draft, verify and accept for `rows` on the device; one read-back, then emit."""
-        J = self.num_drafts
-        for k, valid in enumerate(self.valid, start=1):
-            assert all(self.n[i] - valid[i] <= J + k for i in rows), "drafter not caught up"
-        state = speculative_state(
-            [self.n[i] for i in rows], [1] * len(rows), [[v[i] for i in rows] for v in self.valid]
-        )
-        limit = max(self.n[i] for i in rows) + J + 1
+        J, n = self.num_drafts, [self.n[i] for i in rows]
+        starts = [[valid[i] for i in rows] for valid in self.valid]  # per depth
+        lengths = [max(p - s for p, s in zip(n, depth, strict=True)) for depth in starts]
+        assert all(m <= J + k for k, m in enumerate(lengths, start=1)), "drafter not caught up"
+        state = speculative_state(n, [1] * len(rows), starts)
+        limit = max(n) + J + 1
         ctx = self.context(rows)
         if not self.steps.static_shapes:  # each depth only as long as its longest row
-            ctx = replace(
-                ctx, draft_lengths=tuple(max(self.n[i] - v[i] for i in rows) for v in self.valid)
-            )
+            ctx = replace(ctx, draft_lengths=tuple(lengths))
         out = self.steps.run(speculative_step, ctx, rows, state, limit).tolist()
         for k, valid in enumerate(self.valid, start=1):
             for i in rows:  # positions j <= n-k used accepted tokens only

@@ -303,15 +303,24 @@ class _CoefficientsMixInStreams(torch.autograd.Function):
         return *_coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r), None, None, None
 
 
+def _op_inputs(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The coefficient op's tensor inputs as its kernels read them: checked, contiguous, alpha
+    and bias in fp32."""
+    check_inputs(x_BTSD, phi_PC)
+    return (
+        x_BTSD.contiguous(), phi_PC.contiguous(), alpha.float().contiguous(),
+        bias_P.float().contiguous(),
+    )  # fmt: skip
+
+
 def _coefficients(
     x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor, iters: int, with_res: bool,
     with_mix: bool, norm_eps: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    check_inputs(x_BTSD, phi_PC)
-    pre, post, res, y, _, _ = _coefficients_op(
-        x_BTSD.contiguous(), phi_PC.contiguous(), alpha.float().contiguous(),
-        bias_P.float().contiguous(), iters, with_res, with_mix, norm_eps, eps,
-    )  # fmt: skip
+    inputs = _op_inputs(x_BTSD, phi_PC, alpha, bias_P)
+    pre, post, res, y, _, _ = _coefficients_op(*inputs, iters, with_res, with_mix, norm_eps, eps)
     return pre, post, res, y
 
 
@@ -343,11 +352,8 @@ def coefficients_and_mix_in_streams(
     """`coefficients_and_mix_in` and the streams again, [B,T,S,D], for `mix_out` to read: a view
     of x from the same autograd node, so the op's backward adds mix out's g_x (H_res g_y) into
     its one write of g_x, and autograd sums no gradients for x."""
-    check_inputs(x_BTSD, phi_PC)
-    return _CoefficientsMixInStreams.apply(  # type: ignore[no-any-return]
-        x_BTSD.contiguous(), phi_PC.contiguous(), alpha_3.float().contiguous(),
-        bias_P.float().contiguous(), iters, norm_eps, eps,
-    )  # fmt: skip
+    inputs = _op_inputs(x_BTSD, phi_PC, alpha_3, bias_P)
+    return _CoefficientsMixInStreams.apply(*inputs, iters, norm_eps, eps)  # type: ignore[no-any-return]
 
 
 def contraction_weights(

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+
+from birkhoff.kernels import needs_grad
 
 
 class FusedOp:
@@ -57,9 +58,6 @@ class FusedOp:
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
             return self.op(*args)
-        needs_grad = torch.is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args
-        )
-        if needs_grad and self.function is not None:
+        if self.function is not None and needs_grad(*args):
             return self.function.apply(*args)
         return self.impl(*args)

@@ -17,8 +17,8 @@ Design choices:
   (mix in, mix out, contraction) also accumulate in >= fp32 and cast once at the end.
 - The functions here are the eager reference and the CPU path. Each takes `kernels`
   ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
-  `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere. Callers that pass
-  nothing (the engine) get "auto". `HyperConnection` runs `hyper_connection`
+  `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere (the engine passes
+  its config's `mhc_kernels` too). `HyperConnection` runs `hyper_connection`
   (`coefficients_and_mix_in`, F, `mix_out`); its fused path writes the streams' gradient once,
   in the coefficient op's backward, for the coefficients, the mix in and mix out's residual.
 - The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.kernels import use_fused
+from birkhoff.kernels import needs_grad, use_fused
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,10 +34,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _fused_inference(kernels: str, x: Tensor, *others: Tensor | None) -> bool:
     """Fused forward-only kernels (`birkhoff.kernels.norm_rope`) apply when `kernels` asks for
     them on x and autograd will not need a backward through x or the other inputs."""
-    if not use_fused(x, kernels):
-        return False
-    inputs = (x, *others)
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs)
+    return use_fused(x, kernels) and not needs_grad(x, *others)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, kernels: str = "eager") -> Tensor:
