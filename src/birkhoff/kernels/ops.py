@@ -19,8 +19,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from birkhoff.kernels import needs_grad
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args: tuple[Any, ...]) -> bool:
+    """Whether a tracer sees this call (a dispatch mode such as fake tensors or make_fx is on,
+    or a tensor is a subclass such as a functional or fake tensor): the custom op then, as the
+    tracer must see one node, not the kernels (AOT autograd traces a registered backward so)."""
+    if _get_current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
 
 
 class FusedOp:
@@ -56,7 +68,7 @@ class FusedOp:
         )
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _traced(args):
             return self.op(*args)
         if self.function is not None and needs_grad(*args):
             return self.function.apply(*args)
