@@ -16,6 +16,7 @@ from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.graphs import GraphPool, bucket
+from birkhoff.engine.transfer import to_host
 from birkhoff.model import Transformer
 from birkhoff.refit.api import refit
 
@@ -200,6 +201,25 @@ def test_queued_plain_steps_never_wait_for_the_device(
     monkeypatch.setattr(decode.Generation, "queue_plain_step", checked)
     out = engine.generate(PROMPTS, params)
     assert len(queued) >= 12 and all(c.tokens for c in out)
+
+
+def test_host_copy_reads_the_values_of_its_time() -> None:
+    t = torch.tensor([[3, 1], [4, 1]])
+    copied = to_host(t)
+    assert copied.tolist() == [[3, 1], [4, 1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copy_waits_for_its_step_not_for_the_next() -> None:
+    """collect() reads step t while step t+1 runs: the copy must not wait for work queued
+    after it (a plain `.tolist()` would wait for the sleep below, ~0.5 s)."""
+    t = torch.arange(6, device="cuda").view(3, 2) * 2
+    copied = to_host(t)
+    torch.cuda._sleep(1_000_000_000)  # the next step: ~0.5 s of device time
+    assert copied.tolist() == [[0, 2], [4, 6], [8, 10]]
+    assert not torch.cuda.current_stream().query()  # read while the later work still runs
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

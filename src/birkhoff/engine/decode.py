@@ -49,7 +49,7 @@ from birkhoff.engine.step import (
     speculative_state,
     speculative_step,
 )
-from birkhoff.engine.transfer import to_device
+from birkhoff.engine.transfer import HostCopy, to_device, to_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +61,11 @@ class Completion:
 
 
 class PlainStep(NamedTuple):
-    """A queued plain step: its rows, their requests, and its results still on the device."""
+    """A queued plain step: its rows, their requests, and its results on their way to the host."""
 
     rows: list[int]
     requests: list[int]
-    out_A2: Tensor  # (next token, its logprob) per row
+    out_A2: HostCopy  # (next token, its logprob) per row
 
 
 class Generation:
@@ -208,10 +208,11 @@ class Generation:
         for i in rows:
             self.n[i] += 1
         requests = [self.scheduler.request_of[i] for i in rows]
-        return PlainStep(rows, requests, out_A2)
+        return PlainStep(rows, requests, to_host(out_A2))
 
     def collect(self, step: PlainStep) -> None:
-        """Emit a queued step's tokens (one read-back) to the requests that still own the rows."""
+        """Emit a queued step's tokens to the requests that still own the rows (waits for that
+        step's copy only, while the step queued after it runs)."""
         for i, r, (tok, lp) in zip(step.rows, step.requests, step.out_A2.tolist(), strict=True):
             if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
                 self.emit(i, [int(tok)], [lp], advance=False)

@@ -1,4 +1,4 @@
-"""Host lists to device tensors without waiting for the device.
+"""Host lists to device tensors, and device results back, without waiting for other work.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and then synchronises the
 stream, so every small index list a decode step builds (rows, positions, lengths) would make the
@@ -6,6 +6,12 @@ host wait until all queued GPU work has finished: the device then idles while th
 the next step. Staging the list in pinned memory and copying with `non_blocking=True` keeps the
 copy in stream order without a wait; torch's pinned-memory allocator keeps the staging block
 alive until the copy has run. On the CPU this is the plain `torch.tensor`.
+
+The other way, `Tensor.tolist()` copies in stream order too: called after the next step has been
+queued, it waits for that step as well, and the device then idles while the host does the
+bookkeeping of the step it read. `to_host` queues the copy into pinned memory right behind the
+work that produced the tensor and records an event; `HostCopy.tolist()` waits for that event
+only.
 """
 
 from __future__ import annotations
@@ -28,3 +34,27 @@ def to_device(
         return torch.as_tensor(values, dtype=dtype, device=device)
     staged = torch.as_tensor(values, dtype=dtype).pin_memory()
     return staged.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values on their way to pinned host memory; `tolist()` waits for them
+    (and for the work queued before them), not for anything queued later."""
+
+    def __init__(self, t: Tensor) -> None:
+        if t.device.type != "cuda":
+            self.host, self.done = t, None
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def tolist(self) -> Any:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def to_host(t: Tensor) -> HostCopy:
+    """Queue `t`'s copy to the host now; read it later with `.tolist()`."""
+    return HostCopy(t)
