@@ -97,6 +97,15 @@ def _token_block(cfg: Launch, N: int) -> int:
     return min(int(cfg["BN"]), max(16, pow2(N)))
 
 
+def _tail_block(cfg: Launch, N: int, SP: int) -> int:
+    """coeff_tail's tokens per program: CONFIG's BN, cut to a decode call's few tokens (the
+    tail has no tl.dot, so down to one), with fewer warps for the smaller tile (its Sinkhorn
+    state is BN x SP x SP: a warp's shuffles, not a block's barriers, for decode's 1-4 tokens)."""
+    bn = min(int(cfg["BN"]), pow2(N))
+    cfg["BN"], cfg["num_warps"] = bn, max(1, min(int(cfg["num_warps"]), bn * SP * SP // 128))
+    return bn
+
+
 TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
 
 
@@ -138,7 +147,7 @@ def _coefficients_impl(
     (SP, PP), cfg = _pads(S, P), _launch("coeff_tail", x_BTSD, S)
     if N:
         part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
-        cfg["BN"] = bn = _token_block(cfg, N)
+        bn = _tail_block(cfg, N, SP)
         kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
         K.coeff_tail[(cdiv(N, bn),)](
             part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
