@@ -62,7 +62,7 @@ from birkhoff.kernels.mhc_mix import (
     pad_streams,
     pow2,
 )
-from birkhoff.kernels.ops import FusedOp
+from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
     "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
@@ -122,7 +122,7 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
     part = x_BTSD.new_empty((splits, N, PP), dtype=torch.float32)
     sq = x_BTSD.new_empty((splits, N), dtype=torch.float32)
     cfg["BN"] = bn
-    K.coeff_proj[(blocks, splits)](
+    traceable(K.coeff_proj)[(blocks, splits)](
         x_BTSD, _phi_t(phi_PC, PP), part, sq, N, C, chunk, PP=PP, BC=bc, **cfg
     )
     return part, sq, splits
@@ -149,7 +149,7 @@ def _coefficients_impl(
         part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
         bn = _tail_block(cfg, N, SP)
         kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
-        K.coeff_tail[(cdiv(N, bn),)](
+        traceable(K.coeff_tail)[(cdiv(N, bn),)](
             part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
             N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, KB=kb,
             **cfg,
@@ -202,14 +202,14 @@ def _coefficients_bwd_impl(
         g_pre = g_pre + mix_in_weight_grad(g_y, x_BTSD, pre)
     (SP, PP), cfg = _pads(S, P), _launch("coeff_bwd", x_BTSD, S)
     scratch = raw_BTP.new_empty((N, 2 * iters, SP) if with_res else (1,))  # Sinkhorn denominators
-    K.coeff_bwd[(cdiv(N, int(cfg["BN"])),)](
+    traceable(K.coeff_bwd)[(cdiv(N, int(cfg["BN"])),)](
         raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT, scratch,
         N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_x", x_BTSD)
     grid = (cdiv(N, int(cfg["BN"])), cdiv(C, int(cfg["BC"])))
     phi_f32 = phi_PC.float().contiguous()
-    K.grad_x[grid](
+    traceable(K.grad_x)[grid](
         g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
         N, C, D, S, P=P, MIX=mix, RES=res, **cfg,
     )  # fmt: skip
@@ -219,7 +219,7 @@ def _coefficients_bwd_impl(
     # the Triton interpreter (3.9) computes bf16 x bf16 dots wrongly: it runs the fp32 dot there,
     # and the split path is checked on the GPU (tests/kernels/test_mhc_gpu.py)
     split = x_BTSD.dtype == torch.bfloat16 and not INTERPRET
-    K.grad_phi[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
+    traceable(K.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
         g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP, SPLIT=split, **cfg
     )  # fmt: skip
     g_phi = partials.sum(0)[:P].to(phi_PC.dtype)

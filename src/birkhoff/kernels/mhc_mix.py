@@ -14,17 +14,14 @@ it mixes in itself.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels.mhc_configs import CONFIG
-from birkhoff.kernels.ops import FusedOp
+from birkhoff.kernels.ops import INTERPRET, FusedOp, traceable
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 
 
 def pow2(n: int) -> int:
@@ -72,7 +69,7 @@ def mix_in_into(y_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor) -> None:
     N = h_BTS.numel() // S
     grid, cfg = _mix_grid(N, S, D)
     if y_BTD.numel():
-        M.mix_in_fwd[grid](x_BTSD, h_BTS, y_BTD, N, D, S=S, **cfg)
+        traceable(M.mix_in_fwd)[grid](x_BTSD, h_BTS, y_BTD, N, D, S=S, **cfg)
 
 
 def _mix_in_bwd(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor, g_x: Tensor | None) -> Tensor:
@@ -83,7 +80,7 @@ def _mix_in_bwd(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor, g_x: Tensor | None
     if not x_BTSD.numel():
         return torch.zeros_like(h_BTS)
     parts = h_BTS.new_empty((grid[1], *h_BTS.shape))
-    M.mix_in_bwd[grid](
+    traceable(M.mix_in_bwd)[grid](
         g_BTD, x_BTSD, h_BTS, x_BTSD if g_x is None else g_x, parts, N, D,
         S=S, WRITE_GX=g_x is not None, **cfg,
     )  # fmt: skip
@@ -146,7 +143,7 @@ def _mix_out_impl(x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Ten
     N = post_BTS.numel() // S
     grid, cfg = _mix_grid(N, S, D)
     if y_BTSD.numel():
-        M.mix_out_fwd[grid](x_BTSD, f_BTD, post_BTS, res_BTSS, y_BTSD, N, D, S=S, **cfg)
+        traceable(M.mix_out_fwd)[grid](x_BTSD, f_BTD, post_BTS, res_BTSS, y_BTSD, N, D, S=S, **cfg)
     return y_BTSD
 
 
@@ -168,7 +165,7 @@ def _mix_out_bwd_impl(
         return g_x, g_f.zero_(), torch.zeros_like(post_BTS), torch.zeros_like(res_BTSS)
     parts_post = post_BTS.new_empty((grid[1], *post_BTS.shape))
     parts_res = res_BTSS.new_empty((grid[1], *res_BTSS.shape))
-    M.mix_out_bwd[grid](
+    traceable(M.mix_out_bwd)[grid](
         g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, parts_post, parts_res, N, D,
         S=S, **cfg,
     )  # fmt: skip

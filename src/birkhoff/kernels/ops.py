@@ -11,10 +11,17 @@ implementation directly, and when a gradient is needed it runs it inside a
 `torch.autograd.Function` built from the same setup-context and backward functions the custom
 op registers: one implementation and one backward, two entry points (tests run both against
 the eager reference; `torch.library.opcheck` checks the registered op).
+
+The op is registered with `torch.library.triton_op`: its implementation launches its Triton
+kernels through `wrap_triton`, so torch.compile traces into it and inductor launches the
+kernels from its own generated code (a custom op stays opaque, and the compiled graph would
+call it through the same slow dispatcher). Under the Triton interpreter (CPU tests), where
+traced kernels cannot run on fake tensors, it is a plain `custom_op` with the given fake impl.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +29,15 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from birkhoff.kernels import needs_grad
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
+
+
+def traceable(kernel: Any) -> Any:
+    """`kernel` as an op implementation launches it: through `wrap_triton` (a tracer then
+    records the launch), the kernel itself under the interpreter."""
+    return kernel if INTERPRET else torch.library.wrap_triton(kernel)
+
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -36,12 +52,16 @@ def _traced(args: tuple[Any, ...]) -> bool:
 
 
 class FusedOp:
-    """`birkhoff::<name>` from `impl` (type-annotated) and its fake impl; call it like `impl`."""
+    """`birkhoff::<name>` from `impl` (type-annotated; its kernels launched through
+    `wrap_triton`) and its fake impl (used under the interpreter); call it like `impl`."""
 
     def __init__(self, name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
         self.impl, self.name = impl, name
-        self.op = torch.library.custom_op(f"birkhoff::{name}", impl, mutates_args=())
-        self.op.register_fake(fake)
+        if INTERPRET:
+            self.op = torch.library.custom_op(f"birkhoff::{name}", impl, mutates_args=())
+            self.op.register_fake(fake)
+        else:  # the fake impl is impl itself, traced (wrap_triton launches nothing on fakes)
+            self.op = torch.library.triton_op(f"birkhoff::{name}", impl, mutates_args=())
         self.function: Any = None  # the eager autograd.Function, once autograd is registered
 
     def register_autograd(
