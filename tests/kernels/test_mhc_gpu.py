@@ -111,3 +111,31 @@ def test_inductor_compiles_the_block_without_graph_break() -> None:
         torch.testing.assert_close(loss, ref)
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_launch_through_wrap_triton_only_when_traced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eager calls (FusedOp's direct entry, forward and backward) launch the kernels directly;
+    torch.compile traces the same implementations through wrap_triton (the triton_op), so
+    inductor sees every launch."""
+    wrapped: list[str] = []
+    real = torch.library.wrap_triton
+
+    def counting(kernel):  # type: ignore[no-untyped-def]
+        wrapped.append(kernel.fn.__name__)
+        return real(kernel)
+
+    monkeypatch.setattr(torch.library, "wrap_triton", counting)
+    inp = make_inputs(Case(S=4, D=64, iters=20), "cuda", torch.float32)
+    leaves = [inp[k].requires_grad_(True) for k in ("x", "phi", "alpha", "bias")]
+
+    def sublayer(x, phi, alpha, bias):  # type: ignore[no-untyped-def]
+        y = hyper.hyper_connection(x, phi, alpha, bias, torch.tanh, iters=20, norm_eps=1e-6)
+        return y.square().sum()
+
+    torch.autograd.grad(sublayer(*leaves), leaves)
+    assert wrapped == []
+    torch._dynamo.reset()
+    torch.autograd.grad(torch.compile(sublayer, fullgraph=True)(*leaves), leaves)
+    assert {"coeff_proj", "coeff_tail", "mix_out_fwd", "grad_x", "mix_out_bwd"} <= set(wrapped)

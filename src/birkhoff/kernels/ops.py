@@ -22,6 +22,7 @@ traced kernels cannot run on fake tensors, it is a plain `custom_op` with the gi
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from birkhoff.kernels import needs_grad
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
+_direct = threading.local()  # .on: inside FusedOp's direct eager entry
 
 
 def traceable(kernel: Any) -> Any:
-    """`kernel` as an op implementation launches it: through `wrap_triton` (a tracer then
-    records the launch), the kernel itself under the interpreter."""
-    return kernel if INTERPRET else torch.library.wrap_triton(kernel)
+    """`kernel` as an op implementation launches it: itself on FusedOp's direct eager entry
+    and under the interpreter, else through `wrap_triton`, so that a tracer records the launch
+    (wrap_triton's eager launch builds a higher-order-op call each time: slow on the host)."""
+    if INTERPRET or getattr(_direct, "on", False):
+        return kernel
+    return torch.library.wrap_triton(kernel)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -90,6 +95,10 @@ class FusedOp:
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling() or _traced(args):
             return self.op(*args)
-        if self.function is not None and needs_grad(*args):
-            return self.function.apply(*args)
-        return self.impl(*args)
+        outer, _direct.on = getattr(_direct, "on", False), True
+        try:
+            if self.function is not None and needs_grad(*args):
+                return self.function.apply(*args)
+            return self.impl(*args)
+        finally:
+            _direct.on = outer
