@@ -34,6 +34,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _f32(v):
+    """A float argument as fp32: Triton's launcher passes Python floats as fp32, inductor's
+    generated launcher as fp64 (which would promote the Sinkhorn state to fp64)."""
+    return tl.cast(v, tl.float32)
+
+
+@triton.jit
 def _softmax_rows(a, valid):
     # Padded rows become uniform here and are zeroed; padded columns of real rows get exp = 0.
     a = tl.where(valid, a, -1.0e30)
@@ -142,6 +149,7 @@ def coeff_tail(
     and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
     read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
     one split per loop step would wait out a memory latency per split."""
+    norm_eps, hc_eps = _f32(norm_eps), _f32(hc_eps)
     n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
     kb = tl.arange(0, KB)
     for k0 in range(0, SPLITS, KB):
@@ -185,6 +193,7 @@ def coeff_bwd(
 ):  # fmt: skip
     """g_a = dL/d(alpha z + b) [N,P], g_raw = g_a alpha rstd [N,P], and coef [N] with
     dL/dx (through rstd) = coef * x."""
+    hc_eps = _f32(hc_eps)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
