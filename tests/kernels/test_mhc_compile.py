@@ -59,8 +59,9 @@ def split(cfg: dict[str, int | str]) -> tuple[dict[str, object], dict[str, int]]
     return {k: v for k, v in cfg.items() if k not in launch and k != "TOKENS"}, launch
 
 
-def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
-    """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG."""
+def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[int, int]]:
+    """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG;
+    `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
     from birkhoff.kernels import mhc, mhc_mix
@@ -76,7 +77,7 @@ def kernel_usage(S: int, dtype: str) -> dict[str, tuple[int, int]]:
     types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gr_ptr")}
     types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
     types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
-    types |= dict(norm_eps="fp32", hc_eps="fp32")
+    types |= dict(norm_eps=floats, hc_eps=floats)
     usage = {}
     for P in (S * S + 2 * S, S):
         SP, PP = mhc._pads(S, P)
@@ -119,6 +120,11 @@ def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
 @pytest.mark.parametrize(("S", "dtype"), [(4, "bf16"), (4, "fp32"), (8, "bf16")])
 def test_kernels_compile_for_sm90_without_spills(S: int, dtype: str) -> None:
     assert_no_spills(kernel_usage(S, dtype))
+
+
+def test_kernels_compile_with_float_arguments_as_inductor_passes_them() -> None:
+    # torch.compile launches the triton_ops' kernels from inductor's code, with fp64 floats
+    assert_no_spills(kernel_usage(4, "bf16", floats="fp64"))
 
 
 @pytest.mark.slow
