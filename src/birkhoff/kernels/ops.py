@@ -62,6 +62,7 @@ class FusedOp:
 
     def __init__(self, name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
         self.impl, self.name = impl, name
+        self.op: Any  # a torch.library CustomOpDef either way
         if INTERPRET:
             self.op = torch.library.custom_op(f"birkhoff::{name}", impl, mutates_args=())
             self.op.register_fake(fake)
