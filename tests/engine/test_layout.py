@@ -40,3 +40,19 @@ def test_engine_parts_cover_every_trainer_parameter_once(overrides: dict[str, An
         expected = [prefix + p for p in FUSED[suffix]] if suffix else [name]
         assert [part for part, _ in ps] == expected
         assert shapes[name] == (sum(s[0] for _, s in ps), *ps[0][1][1:])
+
+
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_mhc_coefficient_tensors_are_served_in_fp32(quantize: str | None) -> None:
+    """phi, alpha and bias of every hyper-connection and contraction stay fp32 in a bf16 (or
+    fp8) engine, as the trainer holds them; every other non-matmul tensor is bf16."""
+    from birkhoff.engine.layout import build_manifest
+
+    cfg = tiny_config(num_streams=4, mtp_depth=1, qkv_bias=True)
+    manifest = build_manifest(cfg, dtype=torch.bfloat16, quantize=quantize)  # type: ignore[arg-type]
+    mhc = {n for n in manifest if n.rsplit(".", 1)[-1] in ("phi", "alpha", "bias")
+           and (".hc_" in n or "contraction." in n)}  # fmt: skip
+    assert len(mhc) == 3 * (2 * cfg.num_layers + 1 + 3 * cfg.mtp_depth)
+    assert all(manifest[n].dtype == torch.float32 for n in mhc)
+    assert manifest["layers.0.attn.wqkv.bias"].dtype == torch.bfloat16
+    assert manifest["layers.0.attn_norm.weight"].dtype == torch.bfloat16

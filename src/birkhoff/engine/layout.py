@@ -19,9 +19,11 @@ exactly like the main model.
 concatenation order, computed from the ModelConfig alone (tests/engine/test_layout.py checks it
 against the trainer's parameters). The manifest adds each served tensor's dtype: with
 `quantize="fp8"` exactly the matmul weights are float8_e4m3fn plus `name + "_scale_inv"` (fp32,
-one scale per 128x128 block, per expert for a stack, engine/fp8.py); biases, norms, embeddings
-(also when tied to the lm_head) and mHC coefficients stay in the engine dtype, router tensors in
-fp32.
+one scale per 128x128 block, per expert for a stack, engine/fp8.py); biases, norms and
+embeddings (also when tied to the lm_head) stay in the engine dtype; router tensors and the mHC
+coefficient tensors (phi, alpha, bias) are fp32 in every engine: the coefficients are computed
+in fp32 from fp32 parameters in the trainer, and the fused kernels read them as fp32 (a bf16
+copy would cost two cast kernels per sublayer and decode step, and precision).
 
 `trainer_tensors` looks a model's Parameters (and buffers: the router bias) up by name, every
 time it is called, so a caller always reads the current ones (also after `p.data = t` or a
@@ -45,8 +47,14 @@ from birkhoff.model.moe import is_moe_layer
 Quantize = Literal["fp8"] | None
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (trainer name, shape) in concatenation order
 
-# always fp32: MoE routing decisions
-FP32_SUFFIXES = ("mlp.router.weight", "mlp.router_bias")
+# always fp32: MoE routing decisions, and the mHC coefficient tensors (phi, alpha, bias of every
+# hyper-connection and stream contraction), which the trainer and the fused kernels use in fp32
+MHC_COEFFICIENTS = tuple(
+    f"{where}.{t}"
+    for where in ("hc_attn", "hc_mlp", "contraction")
+    for t in ("phi", "alpha", "bias")
+)
+FP32_SUFFIXES = ("mlp.router.weight", "mlp.router_bias", *MHC_COEFFICIENTS)
 # engine tensors that are matmul weights (candidates for fp8); never norms, embeddings, mHC
 MATMUL_SUFFIXES = (
     "attn.wqkv.weight",
