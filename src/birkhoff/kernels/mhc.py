@@ -163,18 +163,28 @@ def _coefficients_impl(
     return pre, post, res, y_BTD, raw_BTP, rstd
 
 
+def _output_specs(
+    x_BTSD: Tensor, phi_PC: Tensor, with_res: bool, with_mix: bool
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of the coefficient op's outputs: fp32 but y (H_post, H_res, y of shape [0]
+    when not computed)."""
+    lead, (S, D), f32 = tuple(x_BTSD.shape[:-2]), x_BTSD.shape[-2:], torch.float32
+    return [
+        ((*lead, S), f32),
+        ((*lead, S) if with_res else (0,), f32),
+        ((*lead, S, S) if with_res else (0,), f32),
+        ((*lead, D) if with_mix else (0,), x_BTSD.dtype),
+        ((*lead, phi_PC.shape[0]), f32),
+        (lead, f32),
+    ]
+
+
 def _coefficients_fake(
     x_BTSD: Tensor, phi_PC: Tensor, with_res: bool, with_mix: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Empty outputs, fp32 but y (H_post, H_res, y of shape [0] when not computed)."""
-    lead, (S, D) = x_BTSD.shape[:-2], x_BTSD.shape[-2:]
-    new = x_BTSD.new_empty
-    f32 = torch.float32
-    post = new((*lead, S) if with_res else (0,), dtype=f32)
-    res = new((*lead, S, S) if with_res else (0,), dtype=f32)
-    y = new((*lead, D) if with_mix else (0,))
-    raw = new((*lead, phi_PC.shape[0]), dtype=f32)
-    return new((*lead, S), dtype=f32), post, res, y, raw, new(lead, dtype=f32)
+    """Empty outputs (`_output_specs`)."""
+    specs = _output_specs(x_BTSD, phi_PC, with_res, with_mix)
+    return tuple(x_BTSD.new_empty(shape, dtype=dtype) for shape, dtype in specs)  # type: ignore[return-value]
 
 
 def _coefficients_fake_op(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, norm_eps, eps):  # type: ignore[no-untyped-def]
@@ -190,7 +200,8 @@ def _coefficients_bwd_impl(
     iters: int, with_res: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b). g_y: the gradient of
-    the mix in (shape [0] if the op did not mix in); g_r: x's gradient from mix out's residual
+    the mix in (shape [0] if the op did not mix in); g_pre of shape [0] with a mix in: H_pre's
+    gradient is the mix in's term alone; g_r: x's gradient from mix out's residual
     path (shape [0] if not handed over). Both join the one write of g_x."""
     if g_r.numel() and g_r.shape != x_BTSD.shape:
         raise ValueError(f"g_r has shape {tuple(g_r.shape)}, x {tuple(x_BTSD.shape)}")
@@ -202,8 +213,9 @@ def _coefficients_bwd_impl(
     if not N:
         return g_x, torch.zeros_like(phi_PC), g_a
     mix, res = g_y.numel() > 0, g_r.numel() > 0
-    if mix:  # H_pre also reached the loss through y: g_pre += <g_y, x_j>
-        g_pre = g_pre + mix_in_weight_grad(g_y, x_BTSD, pre)
+    if mix:  # H_pre also reached the loss through y: g_pre += <g_y, x_j> (g_pre [0]: zero)
+        g_mix = mix_in_weight_grad(g_y, x_BTSD, pre)
+        g_pre = g_pre + g_mix if g_pre.numel() else g_mix
     (SP, PP), cfg = _pads(S, P), _launch("coeff_bwd", x_BTSD, S)
     scratch = raw_BTP.new_empty((N, 2 * iters, SP) if with_res else (1,))  # Sinkhorn denominators
     traceable(K.coeff_bwd)[(cdiv(N, int(cfg["BN"])),)](
@@ -272,11 +284,16 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no
     kept; g_r: x's gradient from mix out's residual path, added into g_x (None: nothing)."""
     x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
     iters, with_res, with_mix, eps = ctx.hyper
-    zero = _coefficients_fake(x_BTSD, phi_PC, with_res, with_mix)
+    specs = _output_specs(x_BTSD, phi_PC, with_res, with_mix)
+    # an output without a gradient contributes zero; H_pre's gradient from the mix in alone needs
+    # no zeros to add to (shape [0]: the backward takes the mix in's term as all of it)
+    pre_from_mix = g_pre is None and with_mix and g_y is not None
     g_pre, g_post, g_res, g_y = (
-        z.zero_() if g is None else g.contiguous()
-        for g, z in zip((g_pre, g_post, g_res, g_y), zero[:4], strict=True)
+        g.contiguous() if g is not None else x_BTSD.new_zeros(shape, dtype=dtype)
+        for g, (shape, dtype) in zip((g_pre, g_post, g_res, g_y), specs[:4], strict=True)
     )
+    if pre_from_mix:
+        g_pre = g_pre.new_empty((0,))
     g_r = x_BTSD.new_empty((0,)) if g_r is None else g_r.contiguous()
     g_x, g_phi, g_a = _coefficients_bwd_op(
         g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P,
