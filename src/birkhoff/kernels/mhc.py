@@ -1,15 +1,14 @@
-"""Fused mHC ops: torch custom ops around the Triton kernels, with autograd and fake impls.
+"""Fused mHC ops: torch library ops around the Triton kernels, with autograd.
 
 Legend: B batch, T tokens (any leading shape works), S streams, D model dim, C = S*D,
 P coefficient logits.
 
 Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments, same outputs):
 `mhc_coefficients`, `coefficients_and_mix_in`, `contraction_weights`, `contract`, and (from
-`mhc_mix`) `mix_in`, `mix_out`. Each runs a
-`torch.library.custom_op` (`birkhoff::mhc_*`) with `register_autograd` and a fake impl, so
-torch.compile traces through them without a graph break, and its backward is a custom op too;
-eager code calls the same implementations through `ops.FusedOp`'s direct entry (the custom-op
-dispatcher's host cost made the S = 4 training step host-bound).
+`mhc_mix`) `mix_in`, `mix_out`. Each runs a `torch.library.triton_op` (`birkhoff::mhc_*`,
+`ops.FusedOp`) with `register_autograd`, so torch.compile traces into it without a graph break
+and its backward is such an op too; eager code calls the same implementations through
+FusedOp's direct entry (the dispatcher's host cost made the S = 4 training step host-bound).
 Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tensor hooks (the
 recompute registry) see them.
 
@@ -242,23 +241,7 @@ def _coefficients_bwd_impl(
     return g_x, g_phi, g_a
 
 
-def _coefficients_bwd_fake(
-    g_pre,
-    g_post,
-    g_res,
-    g_y,
-    g_r,
-    x_BTSD,
-    phi_PC,
-    pre,
-    raw_BTP,
-    rstd_BT,
-    alpha,
-    bias_P,
-    iters,
-    with_res,
-    eps,
-):  # type: ignore[no-untyped-def]
+def _coefficients_bwd_fake(g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, *_):  # type: ignore[no-untyped-def]  # noqa: E501
     return torch.empty_like(x_BTSD), torch.empty_like(phi_PC), torch.empty_like(raw_BTP)
 
 
