@@ -9,7 +9,7 @@ from engine_helpers import tiny_config
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Generation
 from birkhoff.engine.graphs import Steps
-from birkhoff.engine.step import draft, speculative_state
+from birkhoff.engine.step import draft
 from birkhoff.model import Transformer
 
 RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 0]]
@@ -105,12 +105,14 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
     with torch.inference_mode():
         run.admit()
         for _ in range(4):
-            run.speculative_step(rows)
-        valid = [[v[i] for i in rows] for v in run.valid]
-        state = speculative_state([run.n[i] for i in rows], [1] * len(rows), valid)
+            run.collect_speculative(run.queue_speculative_step(rows, None))
+        assert run.rows.n_B[rows].tolist() == [run.n[i] for i in rows]  # device == host
+        assert run.drafter.valid_JB[:K, rows].tolist() == [[v[i] for i in rows] for v in run.valid]
         limit = max(run.n) + K + 1
-        drafts_AJ, q_AJV = draft(run.context(rows), torch.tensor(rows), len(rows),
-                                 torch.tensor(state), limit)  # fmt: skip
+        rows_A = torch.tensor(rows)
+        live_A = torch.ones(len(rows), dtype=torch.bool)
+        drafts_AJ, q_AJV = draft(run.context(rows), rows_A, len(rows), run.rows.n_B[rows_A],
+                                 live_A, limit)  # fmt: skip
     assert 0 < run.stats.num_emitted - run.stats.num_steps < K * run.stats.num_steps  # mixed
     for i in rows:
         n = run.n[i]

@@ -51,9 +51,9 @@ class EmulatedPool(GraphPool):
     buckets and output gathers of the graph path run on CPU exactly as on CUDA."""
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
-        fn()  # the warm-up run, as on CUDA
+        out = fn()  # the warm-up run, as on CUDA, where the capture itself runs nothing
         self.num_captured += 1
-        return ReplayedGraph(fn), fn()
+        return ReplayedGraph(fn), out
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -79,6 +79,39 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
     kinds = {key[0] for key in keys}
     assert kinds == {"speculative_step" if k else "plain_step"}  # every step through a graph
     assert {key[4] for key in keys} == {False, True}  # steps with and without a top-k row
+
+
+def test_speculative_steps_run_ahead_until_near_max_seq_len_on_cpu(
+    trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With static shapes a speculative step is queued before the previous one is read (the
+    device advances n and the draft starts); rows that run into max_seq_len make the host read
+    each step first. Tokens and logprobs equal the eager engine's, which reads every step."""
+    from birkhoff.engine import decode
+
+    model = copy.deepcopy(trained_model).double()
+    eager = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed.graphs = EmulatedPool(4, graphed.capacity, graphed.device)
+    ahead: list[bool] = []
+    queue = decode.Generation.queue_speculative_step
+
+    def counted(self, rows, pending):  # type: ignore[no-untyped-def]
+        ahead.append(pending is not None)
+        return queue(self, rows, pending)
+
+    monkeypatch.setattr(decode.Generation, "queue_speculative_step", counted)
+    params = [SamplingParams(200 if i < 2 else 9, temperature=float(i % 2), seed=7,
+                             num_speculative_tokens=3) for i in range(len(PROMPTS))]  # fmt: skip
+    out = graphed.generate(PROMPTS, params)
+    assert any(ahead) and not all(ahead)  # ahead, and read-first near the end
+    ref = eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert [c.finish_reason for c in out][:2] == ["length", "length"]
+    assert len(PROMPTS[0]) + len(out[0].tokens) == graphed.max_seq_len
+    torch.testing.assert_close(
+        [c.logprobs for c in out], [c.logprobs for c in ref], rtol=0, atol=1e-10
+    )
 
 
 def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
@@ -228,8 +261,9 @@ def test_speculative_steps_sync_only_to_read_their_result(
     trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A speculative step (drafts, verify, acceptance, sampling with and without top-k/top-p)
-    is one replayed graph: issuing it must not synchronise; only reading its result does."""
-    from birkhoff.engine import graphs
+    is one replayed graph: queueing it (state, replay, the copy of its result) must not
+    synchronise, also while the step before it runs; only reading a result does."""
+    from birkhoff.engine import decode
 
     engine = Engine.from_model(copy.deepcopy(trained_model).cuda(), device="cuda", max_batch_size=4)
     params = [
@@ -238,19 +272,19 @@ def test_speculative_steps_sync_only_to_read_their_result(
         for i in range(6)
     ]  # fmt: skip
     engine.generate(PROMPTS, params)  # capture the graphs first (capture synchronises)
-    run, issued = graphs.GraphSteps.run, []
+    queue, ahead = decode.Generation.queue_speculative_step, []
 
-    def checked(self: graphs.GraphSteps, *args: object) -> torch.Tensor:
+    def checked(self, rows, pending):  # type: ignore[no-untyped-def]
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = run(self, *args)  # type: ignore[arg-type]
+            step = queue(self, rows, pending)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        issued.append(out.shape[0])
-        return out
+        ahead.append(pending is not None)
+        return step
 
-    monkeypatch.setattr(graphs.GraphSteps, "run", checked)
+    monkeypatch.setattr(decode.Generation, "queue_speculative_step", checked)
     captured = engine.graphs.num_captured if engine.graphs is not None else -1
     out = engine.generate(PROMPTS, params)
-    assert len(issued) >= 6 and all(c.tokens for c in out)
+    assert len(ahead) >= 6 and sum(ahead) >= 3 and all(c.tokens for c in out)
     assert engine.graphs is not None and engine.graphs.num_captured == captured

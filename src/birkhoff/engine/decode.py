@@ -8,13 +8,17 @@ step, rows freed by finished requests are refilled with waiting requests (their 
 then they join the decode steps), so a call takes any number of prompts. All randomness comes
 from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
 other requests share its batch. Steps (step.py: model, sampling and acceptance in one device
-call) run eagerly or as CUDA graphs (graphs.py); prefill runs eagerly. Plain decode runs one
-step ahead of the host (`run_plain`): the device never waits for host bookkeeping.
+call) run eagerly or as CUDA graphs (graphs.py); prefill runs eagerly. Decode runs one step
+ahead of the host (`run_plain`, and `run_speculative` with graphs): step t+1 is queued before
+step t's result is read, so the device does not wait for the host's bookkeeping.
 
-Per-row bookkeeping is host-side: `n[i]` is the position of row i's pending token (sampled but
-not yet run through the main model; the main cache is valid for positions < n[i]) and, per draft
-depth k, `valid[k][i]` counts the leading positions whose depth-k cache entries were computed
-from accepted tokens only. A speculative step (step.py: one device call, one read-back):
+Per-row bookkeeping: `n[i]` is the position of row i's pending token (sampled but not yet run
+through the main model; the main cache is valid for positions < n[i]) and, per draft depth k,
+`valid[k][i]` counts the leading positions whose depth-k cache entries were computed from
+accepted tokens only. The host keeps both as of the last step it read; speculative steps read
+and advance the device's copies (`RowState.n_B`, `DrafterState.valid_JB`, written at
+admission), which are one step ahead while a step is in flight. A speculative step (step.py:
+one device call, one read-back):
   1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
      those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
   2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
@@ -42,13 +46,7 @@ from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams, is_filtered
 from birkhoff.engine.scheduler import Scheduler
 from birkhoff.engine.speculative import SpecStats
-from birkhoff.engine.step import (
-    StepContext,
-    plain_step,
-    sample_next,
-    speculative_state,
-    speculative_step,
-)
+from birkhoff.engine.step import StepContext, plain_step, sample_next, speculative_step
 from birkhoff.engine.transfer import HostCopy, to_device, to_host
 
 
@@ -60,12 +58,12 @@ class Completion:
     finish_reason: str  # "stop" (stop token) | "length" (max_new_tokens or max_seq_len)
 
 
-class PlainStep(NamedTuple):
-    """A queued plain step: its rows, their requests, and its results on their way to the host."""
+class QueuedStep(NamedTuple):
+    """A queued step: its rows, their requests, and its results on their way to the host."""
 
     rows: list[int]
     requests: list[int]
-    out_A2: HostCopy  # (next token, its logprob) per row
+    out: HostCopy  # plain: (next token, its logprob) per row; speculative: step.verify's rows
 
 
 class Generation:
@@ -94,10 +92,7 @@ class Generation:
 
     def run(self) -> list[Completion]:
         if self.num_drafts:
-            while not self.scheduler.done:
-                self.admit()  # refill rows freed by the last step
-                if rows := self.scheduler.active_rows:
-                    self.speculative_step(rows)
+            self.run_speculative()
         else:
             self.run_plain()
         return [
@@ -113,7 +108,7 @@ class Generation:
         A plain step's positions are known in advance (n grows by one) and its input token is
         already on the device; rows that reach their length are not queued again, and a row
         stopped by a stop token at step t has run step t+1 in vain (its result is dropped)."""
-        pending: PlainStep | None = None
+        pending: QueuedStep | None = None
         while not self.scheduler.done:
             self.admit()
             in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
@@ -178,6 +173,11 @@ class Generation:
             self.emit(i, [tok], [lp])
         if self.drafter is not None:
             self.catch_up_drafter(rows)
+        if self.num_drafts:  # speculative steps read n and the draft starts from the device
+            assert self.drafter is not None
+            self.rows.n_B[chunk.rows_A] = self.n_of(rows)
+            starts = [[valid[i] for i in rows] for valid in self.valid]
+            self.drafter.valid_JB[: self.num_drafts, chunk.rows_A] = to_device(starts, self.device)
 
     def catch_up_drafter(self, rows: list[int]) -> None:
         """Run depth k over positions 0..n-k-1 of newly admitted rows (everything it can see
@@ -200,7 +200,7 @@ class Generation:
             if k < self.num_drafts:
                 self.drafter.streams.write(k, chunk.rows_A, chunk.positions_AT, h_ATSD)
 
-    def queue_plain_step(self, rows: list[int]) -> PlainStep:
+    def queue_plain_step(self, rows: list[int]) -> QueuedStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""
         state = [[self.n[i] for i in rows], [1] * len(rows)]
         limit = max(self.n[i] for i in rows) + 1
@@ -208,12 +208,12 @@ class Generation:
         for i in rows:
             self.n[i] += 1
         requests = [self.scheduler.request_of[i] for i in rows]
-        return PlainStep(rows, requests, to_host(out_A2))
+        return QueuedStep(rows, requests, to_host(out_A2))
 
-    def collect(self, step: PlainStep) -> None:
+    def collect(self, step: QueuedStep) -> None:
         """Emit a queued step's tokens to the requests that still own the rows (waits for that
         step's copy only, while the step queued after it runs)."""
-        for i, r, (tok, lp) in zip(step.rows, step.requests, step.out_A2.tolist(), strict=True):
+        for i, r, (tok, lp) in zip(step.rows, step.requests, step.out.tolist(), strict=True):
             if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
                 self.emit(i, [int(tok)], [lp], advance=False)
 
@@ -238,22 +238,62 @@ class Generation:
         if advance:
             self.n[i] += len(tokens)
 
-    def speculative_step(self, rows: list[int]) -> None:
-        """Draft, verify and accept for `rows` on the device; one read-back, then emit."""
-        J, n = self.num_drafts, [self.n[i] for i in rows]
-        starts = [[valid[i] for i in rows] for valid in self.valid]  # per depth
-        lengths = [max(p - s for p, s in zip(n, depth, strict=True)) for depth in starts]
-        assert all(m <= J + k for k, m in enumerate(lengths, start=1)), "drafter not caught up"
-        state = speculative_state(n, [1] * len(rows), starts)
-        limit = max(n) + J + 1
+    def run_speculative(self) -> None:
+        """Speculative decode. With static shapes (graphs) the next step is queued before this
+        one's result is read: a step takes each row's n and draft starts from the device, where
+        the step before advanced them, so only the live flags come from the host. The host
+        reads step t while step t+1 runs, as plain decode does; a row that step t finished has
+        run step t+1 in vain (its result is dropped). It does so while every row is far enough
+        from max_seq_len that a step past its end stays inside the cache (`can_run_ahead`);
+        otherwise, and for eager steps (their draft lengths come from the host's n), each step
+        is read before the next is queued."""
+        ahead, pending = self.steps.static_shapes, None
+        while not self.scheduler.done:
+            self.admit()  # refill rows freed by the last collected step
+            rows = self.scheduler.active_rows
+            if pending is not None and not (ahead and rows and self.can_run_ahead(pending)):
+                self.collect_speculative(pending)
+                pending = None
+                continue
+            queued = self.queue_speculative_step(rows, pending) if rows else None
+            if pending is not None:
+                self.collect_speculative(pending)
+            pending = queued
+
+    def can_run_ahead(self, pending: QueuedStep) -> bool:
+        """Whether a step queued behind `pending` stays inside the cache for every row of it,
+        even one that `pending` finishes (n grows by at most J + 1 a step)."""
+        J = self.num_drafts
+        return all(self.n[i] + 2 * (J + 1) < self.max_seq_len + J for i in pending.rows)
+
+    def queue_speculative_step(self, rows: list[int], pending: QueuedStep | None) -> QueuedStep:
+        """Queue draft, verify and accept for `rows` (no host sync). A row of `pending` (still
+        in flight) starts from the n and draft starts `pending` leaves on the device: at most
+        J + 1 positions past the host's n."""
+        J, in_flight = self.num_drafts, set(pending.rows) if pending is not None else set()
+        limit = max(self.n[i] + J + 1 + (J + 1) * (i in in_flight) for i in rows)
         ctx = self.context(rows)
         if not self.steps.static_shapes:  # each depth only as long as its longest row
+            assert not in_flight, "eager speculative steps are read before the next is queued"
+            lengths = [max(self.n[i] - valid[i] for i in rows) for valid in self.valid]
+            assert all(m <= J + k for k, m in enumerate(lengths, start=1)), "drafter behind"
             ctx = replace(ctx, draft_lengths=tuple(lengths))
-        out = self.steps.run(speculative_step, ctx, rows, state, limit).tolist()
-        for k, valid in enumerate(self.valid, start=1):
-            for i in rows:  # positions j <= n-k used accepted tokens only
-                valid[i] = max(0, self.n[i] - k + 1)
-        num_acc = [int(row[0]) for row in out]
-        self.stats.record(num_acc)
-        for i, a, row in zip(rows, num_acc, out, strict=True):
+        out = self.steps.run(speculative_step, ctx, rows, [[1] * len(rows)], limit)
+        requests = [self.scheduler.request_of[i] for i in rows]
+        return QueuedStep(rows, requests, to_host(out))
+
+    def collect_speculative(self, step: QueuedStep) -> None:
+        """Record and emit a queued speculative step's result for the requests that still own
+        its rows; the host's n and draft starts follow the device's."""
+        J = self.num_drafts
+        mine = [
+            (i, row)
+            for i, r, row in zip(step.rows, step.requests, step.out.tolist(), strict=True)
+            if self.scheduler.request_of.get(i) == r and self.finish[r] is None
+        ]
+        self.stats.record([int(row[0]) for _, row in mine])
+        for i, row in mine:
+            for k, valid in enumerate(self.valid, start=1):
+                valid[i] = max(0, self.n[i] - k + 1)  # positions <= n-k used accepted tokens
+            a = int(row[0])
             self.emit(i, [int(t) for t in row[1 : a + 2]], row[J + 2 : J + 3 + a])

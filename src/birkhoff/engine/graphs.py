@@ -118,8 +118,8 @@ class GraphPool:
         return shared
 
     def capture(self, fn: Callable[[], Tensor]) -> tuple[object, Tensor]:
-        """Warm up `fn` on the side stream (its effects are the replay's: same inputs), then
-        capture it there. capture_begin/end, not `torch.cuda.graph`, which would also collect
+        """Warm up `fn` on the side stream (GraphSteps runs it with no live row), then capture
+        it there. capture_begin/end, not `torch.cuda.graph`, which would also collect
         garbage and empty the allocator cache on every one of the many captures."""
         if self.stream is None:
             self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
@@ -165,7 +165,15 @@ class GraphSteps(Steps):
                 out = step(ctx, rows_A, A, buf[:, :A], N)
                 return self.pool.static_output((step.__name__, K), out)[:A]
 
-            self.graphs[key] = self.pool.capture(fn)
+            # the warm-up run of a capture sees no live row, so it writes only the trash slot
+            # and does not apply a step's own state updates (speculative: n, draft starts)
+            # before the replay applies them
+            state = buf[:, :A].clone()
+            buf.zero_()
+            try:
+                self.graphs[key] = self.pool.capture(fn)
+            finally:
+                buf[:, :A].copy_(state)
         graph, out = self.graphs[key]
         graph.replay()  # type: ignore[attr-defined]
         return out.index_select(0, to_device(rows, buf.device))

@@ -82,7 +82,11 @@ class StreamBuffer:
 
 
 class DrafterState:
-    """The MTP drafter's caches and stream buffers for J chained depths."""
+    """The MTP drafter's caches and stream buffers for J chained depths, and per depth and
+    cache row the first position a step recomputes (`valid_JB`: the positions before it were
+    computed from accepted tokens only). Speculative steps keep it on the device (step.py)."""
 
     def __init__(self, cache: KVCache, streams: StreamBuffer) -> None:
         self.cache, self.streams = cache, streams
+        J, B = cache.k.shape[0], cache.k.shape[1]
+        self.valid_JB = torch.zeros(J, B, dtype=torch.long, device=cache.k.device)

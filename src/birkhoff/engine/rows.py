@@ -3,7 +3,8 @@
 Legend: B cache rows, N cache positions.
 
 Every cache row has a token buffer (`tokens_BN`: slot p holds the token at position p, drafts
-included), the random key of the request in it (rng.py) and its sampling parameters
+included), the position of its pending token (`n_B`, which speculative steps advance on the
+device), the random key of the request in it (rng.py) and its sampling parameters
 (sampling.py). They are allocated once per engine, beside the KV caches, and rewritten when a
 request takes a row, so a captured CUDA graph (graphs.py) reads them at fixed addresses.
 """
@@ -22,6 +23,7 @@ from birkhoff.engine.sampling import SamplingTable
 @dataclass(frozen=True, slots=True)
 class RowState:
     tokens_BN: Tensor
+    n_B: Tensor
     rng: RequestRandom
     sampling: SamplingTable
 
@@ -30,4 +32,5 @@ class RowState:
         """`kernels`: the engine model's `mhc_kernels` (fused random numbers on CUDA)."""
         tokens_BN = torch.zeros(num_rows, capacity, dtype=torch.long, device=device)
         rng = RequestRandom(num_rows, device, kernels)
-        return cls(tokens_BN, rng, SamplingTable(num_rows, device))
+        n_B = torch.zeros(num_rows, dtype=torch.long, device=device)
+        return cls(tokens_BN, n_B, rng, SamplingTable(num_rows, device))

@@ -5,12 +5,14 @@ V vocab, S streams, D model dim, B cache rows, N cache positions.
 
 A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
 sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`plain_step`: pending position n and a live flag; `speculative_step`: those plus the first
-position each draft depth recomputes). It builds its chunk, runs the model, samples, writes
-the tokens it produced into `tokens_BN` and returns one fp64 result row per row, so it has
-static shapes and no host sync: graphs.py replays it as one CUDA graph; eagerly it is the
-reference. Rows that hold no request (the padding of a graph's batch bucket) are not live: they
-read and write only the trash slot and their results are dropped.
+(`plain_step`: pending position n and a live flag; `speculative_step`: the live flag only, as it
+reads each row's pending position n and each draft depth's first position to recompute from the
+device (`RowState.n_B`, `DrafterState.valid_JB`) and advances both itself, so the host can
+queue the next speculative step before it has read this one's result). It builds its chunk,
+runs the model, samples, writes the tokens it produced into `tokens_BN` and returns one fp64
+result row per row, so it has static shapes and no host sync: graphs.py replays it as one CUDA
+graph; eagerly it is the reference. Rows that hold no request (the padding of a graph's batch
+bucket) are not live: they read and write only the trash slot and their results are dropped.
 
 Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
 first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
@@ -77,24 +79,20 @@ def plain_step(
     return torch.stack((next_A.double(), logp_A.double()), dim=1)
 
 
-def speculative_state(n: list[int], live: list[int], valid: list[list[int]]) -> list[list[int]]:
-    """The [J+2, A] state of a speculative step: pending positions, live flags, and per depth
-    the first position to recompute."""
-    return [n, live, *valid]
-
-
 def draft(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
-) -> tuple[Tensor, Tensor]:
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, n_A: Tensor, live_A: Tensor,
+    limit: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
-    state_KA[1 + k] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
+    valid_JB[k-1] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
     assert ctx.drafter is not None
     J, trash, device = ctx.num_drafts, ctx.cache.trash, rows_A.device
-    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
+    tokens_BN, valid_JB = ctx.rows.tokens_BN, ctx.drafter.valid_JB
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
     drafts, qs = [], []
     for k in range(1, J + 1):
-        start_A, T = state_KA[1 + k], ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
+        start_A = valid_JB[k - 1, rows_A]
+        T = ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
         pos_AT = start_A[:, None] + torch.arange(T, device=device)
         ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
         positions_AT = torch.where(ok_AT, pos_AT, trash)
@@ -117,15 +115,15 @@ def draft(
 
 
 def verify(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, drafts_AJ: Tensor,
-    q_AJV: Tensor, limit: int,
-) -> Tensor:  # fmt: skip
-    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns
-    [A, 1 + 2T] fp64: accepted drafts a, the T emitted tokens, their logprobs (the first a + 1
-    are real). The next token goes to tokens_BN at n + 1 + a."""
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, n_A: Tensor, live_A: Tensor,
+    drafts_AJ: Tensor, q_AJV: Tensor, limit: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns (the
+    accepted drafts a [A], [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs (the first
+    a + 1 are real)). The next token goes to tokens_BN at n + 1 + a."""
     assert ctx.drafter is not None
     (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
-    n_A, live_A, tokens_BN = state_KA[0], state_KA[1].bool(), ctx.rows.tokens_BN
+    tokens_BN = ctx.rows.tokens_BN
     pos_AT = n_A[:, None] + torch.arange(T, device=rows_A.device)
     live_AT = live_A[:, None].expand(A, T)
     positions_AT = torch.where(live_AT, pos_AT, trash)
@@ -143,12 +141,25 @@ def verify(
     emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
     emitted_AT[torch.arange(A, device=rows_A.device), num_acc_A] = next_A
     logp_AT = logp_AV.view(A, T, -1).gather(-1, emitted_AT[..., None]).squeeze(-1)
-    return torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
+    out = torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
+    return num_acc_A, out
 
 
 def speculative_step(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
 ) -> Tensor:
-    """Draft, verify, accept: one step of every row of `rows_A` (see `verify` for the result)."""
-    drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, state_KA, limit)
-    return verify(ctx, rows_A, prefix, state_KA, drafts_AJ, q_AJV, limit)
+    """Draft, verify, accept: one step of every row of `rows_A` (state [1, A]: live; see
+    `verify` for the result). Then, for live rows, depth k's first position to recompute
+    becomes max(0, n - k + 1) (positions <= n - k used accepted tokens only) and n becomes
+    n + 1 + a: the next step's inputs, on the device."""
+    assert ctx.drafter is not None
+    live_A, n_A = state_KA[0].bool(), ctx.rows.n_B[rows_A]
+    drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, n_A, live_A, limit)
+    num_acc_A, out = verify(ctx, rows_A, prefix, n_A, live_A, drafts_AJ, q_AJV, limit)
+    depth_J1 = torch.arange(1, ctx.num_drafts + 1, device=rows_A.device)[:, None]
+    valid_JA = ctx.drafter.valid_JB[: ctx.num_drafts, rows_A]
+    ctx.drafter.valid_JB[: ctx.num_drafts, rows_A] = torch.where(
+        live_A, (n_A - depth_J1 + 1).clamp(min=0), valid_JA
+    )
+    ctx.rows.n_B[rows_A] = torch.where(live_A, n_A + 1 + num_acc_A, n_A)
+    return out
