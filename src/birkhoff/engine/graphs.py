@@ -168,12 +168,12 @@ class GraphSteps(Steps):
             # the warm-up run of a capture sees no live row, so it writes only the trash slot
             # and does not apply a step's own state updates (speculative: n, draft starts)
             # before the replay applies them
-            state = buf[:, :A].clone()
+            live_state = buf[:, :A].clone()
             buf.zero_()
             try:
                 self.graphs[key] = self.pool.capture(fn)
             finally:
-                buf[:, :A].copy_(state)
+                buf[:, :A].copy_(live_state)
         graph, out = self.graphs[key]
         graph.replay()  # type: ignore[attr-defined]
         return out.index_select(0, to_device(rows, buf.device))
