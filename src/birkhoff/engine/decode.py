@@ -9,7 +9,7 @@ then they join the decode steps), so a call takes any number of prompts. All ran
 from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
 other requests share its batch. Steps (step.py: model, sampling and acceptance in one device
 call) run eagerly or as CUDA graphs (graphs.py); prefill runs eagerly. Decode runs one step
-ahead of the host (`run_plain`, and `run_speculative` with graphs): step t+1 is queued before
+ahead of the host (`run_ahead`; speculative steps with graphs): step t+1 is queued before
 step t's result is read, so the device does not wait for the host's bookkeeping.
 
 Per-row bookkeeping: `n[i]` is the position of row i's pending token (sampled but not yet run
@@ -31,6 +31,7 @@ A row taken by a new request starts from position 0 in the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -92,9 +93,20 @@ class Generation:
 
     def run(self) -> list[Completion]:
         if self.num_drafts:
-            self.run_speculative()
+            ahead = self.steps.static_shapes  # eager draft lengths come from the host's n
+            self.run_ahead(
+                lambda pending: self.scheduler.active_rows,
+                lambda pending: ahead and self.can_run_ahead(pending),
+                self.queue_speculative_step,
+                self.collect_speculative,
+            )
         else:
-            self.run_plain()
+            self.run_ahead(
+                self.plain_rows,
+                lambda pending: True,
+                lambda rows, pending: self.queue_plain_step(rows),
+                self.collect,
+            )
         return [
             Completion(toks, lps, -1, reason or "length")
             for toks, lps, reason in zip(
@@ -102,25 +114,42 @@ class Generation:
             )
         ]
 
-    def run_plain(self) -> None:
-        """Plain decode one step ahead of the host: step t+1 is queued on the device before
-        step t's tokens are read back, so the device never waits for the host's bookkeeping.
-        A plain step's positions are known in advance (n grows by one) and its input token is
-        already on the device; rows that reach their length are not queued again, and a row
-        stopped by a stop token at step t has run step t+1 in vain (its result is dropped)."""
+    def run_ahead(
+        self,
+        rows_of: Callable[[QueuedStep | None], list[int]],
+        ahead: Callable[[QueuedStep], bool],
+        queue: Callable[[list[int], QueuedStep | None], QueuedStep],
+        collect: Callable[[QueuedStep], None],
+    ) -> None:
+        """Decode one step ahead of the host: step t+1 is queued on the device before step t's
+        result is read (collect waits for step t only), so the device does not wait for the
+        host's bookkeeping; a row that step t finished has run step t+1 in vain (its result is
+        dropped). Where `ahead(pending)` says no, step t is read before step t+1 is queued.
+        Plain steps always run ahead (their positions are known: n grows by one; rows that
+        reach their length are not queued again). Speculative steps do with graphs: a step
+        reads each row's n and draft starts from the device, where the step before advanced
+        them, while every row is far enough from max_seq_len (`can_run_ahead`)."""
         pending: QueuedStep | None = None
         while not self.scheduler.done:
-            self.admit()
-            in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
-            rows = [
-                i
-                for i in self.scheduler.active_rows
-                if not self.reaches_length(i, (i, self.scheduler.request_of[i]) in in_flight)
-            ]
-            queued = self.queue_plain_step(rows) if rows else None
+            self.admit()  # refill rows freed by the last collected step
+            rows = rows_of(pending)
+            if pending is not None and not (rows and ahead(pending)):
+                collect(pending)
+                pending = None
+                continue
+            queued = queue(rows, pending) if rows else None
             if pending is not None:
-                self.collect(pending)
+                collect(pending)
             pending = queued
+
+    def plain_rows(self, pending: QueuedStep | None) -> list[int]:
+        """The active rows a plain step runs: not those done by length once `pending` is read."""
+        in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
+        return [
+            i
+            for i in self.scheduler.active_rows
+            if not self.reaches_length(i, (i, self.scheduler.request_of[i]) in in_flight)
+        ]
 
     def reaches_length(self, i: int, token_in_flight: bool) -> bool:
         """Whether row i's request is done by length once its in-flight token is emitted."""
@@ -237,28 +266,6 @@ class Generation:
                 return
         if advance:
             self.n[i] += len(tokens)
-
-    def run_speculative(self) -> None:
-        """Speculative decode. With static shapes (graphs) the next step is queued before this
-        one's result is read: a step takes each row's n and draft starts from the device, where
-        the step before advanced them, so only the live flags come from the host. The host
-        reads step t while step t+1 runs, as plain decode does; a row that step t finished has
-        run step t+1 in vain (its result is dropped). It does so while every row is far enough
-        from max_seq_len that a step past its end stays inside the cache (`can_run_ahead`);
-        otherwise, and for eager steps (their draft lengths come from the host's n), each step
-        is read before the next is queued."""
-        ahead, pending = self.steps.static_shapes, None
-        while not self.scheduler.done:
-            self.admit()  # refill rows freed by the last collected step
-            rows = self.scheduler.active_rows
-            if pending is not None and not (ahead and rows and self.can_run_ahead(pending)):
-                self.collect_speculative(pending)
-                pending = None
-                continue
-            queued = self.queue_speculative_step(rows, pending) if rows else None
-            if pending is not None:
-                self.collect_speculative(pending)
-            pending = queued
 
     def can_run_ahead(self, pending: QueuedStep) -> bool:
         """Whether a step queued behind `pending` stays inside the cache for every row of it,
