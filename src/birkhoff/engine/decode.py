@@ -200,10 +200,9 @@ class Generation:
         next_A, logp_A = sample_next(self.context(rows), chunk.rows_A, last_A, live_A, logits_AV)
         for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
             self.emit(i, [tok], [lp])
-        if self.drafter is not None:
+        if self.drafter is not None:  # speculative (num_drafts > 0)
             self.catch_up_drafter(rows)
-        if self.num_drafts:  # speculative steps read n and the draft starts from the device
-            assert self.drafter is not None
+            # speculative steps read n and the draft starts from the device
             self.rows.n_B[chunk.rows_A] = self.n_of(rows)
             starts = [[valid[i] for i in rows] for valid in self.valid]
             self.drafter.valid_JB[: self.num_drafts, chunk.rows_A] = to_device(starts, self.device)

@@ -156,7 +156,6 @@ class GraphSteps(Steps):
             for dst, src in zip(padded, state, strict=True):
                 dst[i] = src[a]
         buf = self.pool.static_state(K)
-        buf[:, :A].copy_(to_device(padded, buf.device))
         key: Key = (step.__name__, K, A, N, ctx.filtered)
         if key not in self.graphs:
 
@@ -168,12 +167,9 @@ class GraphSteps(Steps):
             # the warm-up run of a capture sees no live row, so it writes only the trash slot
             # and does not apply a step's own state updates (speculative: n, draft starts)
             # before the replay applies them
-            live_state = buf[:, :A].clone()
-            buf.zero_()
-            try:
-                self.graphs[key] = self.pool.capture(fn)
-            finally:
-                buf[:, :A].copy_(live_state)
+            buf[:, :A].zero_()
+            self.graphs[key] = self.pool.capture(fn)
+        buf[:, :A].copy_(to_device(padded, buf.device))
         graph, out = self.graphs[key]
         graph.replay()  # type: ignore[attr-defined]
         return out.index_select(0, to_device(rows, buf.device))
