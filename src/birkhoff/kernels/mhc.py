@@ -268,15 +268,15 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no
     x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
     iters, with_res, with_mix, eps = ctx.hyper
     specs = _output_specs(x_BTSD, phi_PC, with_res, with_mix)
-    # an output without a gradient contributes zero; H_pre's gradient from the mix in alone needs
-    # no zeros to add to (shape [0]: the backward takes the mix in's term as all of it)
-    pre_from_mix = g_pre is None and with_mix and g_y is not None
+    if g_pre is None and with_mix and g_y is not None:
+        # H_pre's gradient from the mix in alone needs no zeros to add to (shape [0]: the
+        # backward takes the mix in's term as all of it)
+        g_pre = x_BTSD.new_empty((0,), dtype=torch.float32)
+    # an output without a gradient contributes zero
     g_pre, g_post, g_res, g_y = (
         g.contiguous() if g is not None else x_BTSD.new_zeros(shape, dtype=dtype)
         for g, (shape, dtype) in zip((g_pre, g_post, g_res, g_y), specs[:4], strict=True)
     )
-    if pre_from_mix:
-        g_pre = g_pre.new_empty((0,))
     g_r = x_BTSD.new_empty((0,)) if g_r is None else g_r.contiguous()
     g_x, g_phi, g_a = _coefficients_bwd_op(
         g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P,
