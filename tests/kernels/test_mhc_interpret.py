@@ -18,7 +18,13 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize(
-    "cases", ["mhc_interpret_cases.py", "norm_rope_interpret_cases.py", "rng_interpret_cases.py"]
+    "cases",
+    [
+        "mhc_interpret_cases.py",
+        "norm_rope_interpret_cases.py",
+        "rng_interpret_cases.py",
+        "attention_interpret_cases.py",
+    ],
 )
 def test_fused_ops_under_the_triton_interpreter(cases: str) -> None:
     pytest.importorskip("triton")

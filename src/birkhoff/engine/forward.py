@@ -17,7 +17,9 @@ on CUDA ("auto") the mHC ops, RMSNorm and rope run as fused Triton kernels (RMSN
 forward-only ops: a step needs no gradient), elsewhere as the eager reference.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
-repeat_interleave).
+repeat_interleave). With fused kernels, chunks of decode size (decode, verify and draft steps)
+use `birkhoff.kernels.attention` instead: the same attention, reading each row's live prefix
+in place.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
 from birkhoff.engine.transfer import to_device
+from birkhoff.kernels import use_fused
 from birkhoff.model.hyper import (
     contract,
     expand_streams,
@@ -45,6 +48,7 @@ from birkhoff.model.layers import apply_rope, rms_norm, swiglu
 from birkhoff.model.mtp import mtp_merge
 
 Weights = dict[str, Tensor]
+DECODE_QUERIES = 64  # query vectors per (row, kv head) up to which fused attention serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +117,20 @@ def attention(
     q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
     k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
     cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
-    k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
-    out_AHTK = F.scaled_dot_product_attention(
-        q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
-    )
+    if use_fused(q_ATHK, kernels) and T * (H // G) <= DECODE_QUERIES:
+        from birkhoff.kernels.attention import decode_attention
+
+        k_BGNK, v_BGNK = cache.read(layer, chunk.limit)  # rows read in place, live prefix only
+        out_ATHK = decode_attention(
+            q_ATHK, k_BGNK, v_BGNK, chunk.rows_A, chunk.positions_AT, chunk.valid_AT, chunk.limit
+        )
+    else:
+        k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
+        out_ATHK = F.scaled_dot_product_attention(
+            q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
+        ).transpose(1, 2)
     out_bias = attn + "wo.bias" if cfg.attn_out_bias else None
-    return linear(
-        out_AHTK.transpose(1, 2).reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias
-    )
+    return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias)
 
 
 def mlp(x_ATD: Tensor, w: Weights, prefix: str) -> Tensor:

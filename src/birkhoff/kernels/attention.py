@@ -1,0 +1,82 @@
+"""Decode attention as a fused forward-only custom op (`birkhoff::decode_attention`), for the
+engine's decode, verify and draft steps: a few query tokens per row attend over that row's
+cache slots, reading only its live prefix.
+
+Legend: A active rows, T query tokens per row, H query heads, G kv heads, R = H / G, B cache
+rows, N cache positions, K head dim.
+
+The eager reference is `F.scaled_dot_product_attention` with the explicit mask `key position
+<= query position` over slots 0..limit-1 (engine/forward.py). At decode sizes that call costs
+what its key bucket costs: the mask's whole [A, 1, T, limit] and every row's keys up to the
+bucket, live or not (at batch 256 it was a third of a step). This op instead stops each row at
+its own last real position, splits long key ranges over programs (flash-decoding), and reads
+the cache rows in place (no gather of `rows_A`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from birkhoff.kernels import attention_triton as A_
+from birkhoff.kernels.mhc_mix import check_inputs, pow2
+from birkhoff.kernels.ops import INTERPRET
+
+SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
+BN = 64  # keys per block inside a program
+MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
+
+
+@torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
+def decode_attention(
+    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
+    valid_AT: Tensor, limit: int,
+) -> Tensor:  # fmt: skip
+    """softmax(q k^T / sqrt(K)) v per row over its cache row `rows_A[a]`: token t of row a sees
+    the keys at positions <= positions_AT[a, t] and < limit; a row's padded tokens (valid_AT
+    False) are ignored when the row's key range is found (their outputs are unspecified).
+    Returns [A, T, H, K] in q's dtype."""
+    check_inputs(q_ATHK, k_BGNK, v_BGNK)
+    A, T, H, K = q_ATHK.shape
+    G = k_BGNK.shape[1]
+    if H % G or k_BGNK.shape[-1] != K or v_BGNK.shape != k_BGNK.shape:
+        raise ValueError(f"decode_attention: q {tuple(q_ATHK.shape)} vs cache "
+                         f"{tuple(k_BGNK.shape)} / {tuple(v_BGNK.shape)}")  # fmt: skip
+    if limit > k_BGNK.shape[2]:
+        raise ValueError(f"decode_attention: limit {limit} exceeds {k_BGNK.shape[2]} positions")
+    if T * (H // G) > MAX_QUERIES:
+        raise ValueError(f"decode_attention: T * H / G = {T * H // G} > {MAX_QUERIES}")
+    if q_ATHK.stride(-1) != 1:
+        q_ATHK = q_ATHK.contiguous()
+    if k_BGNK.stride(-1) != 1 or v_BGNK.stride(-1) != 1:
+        raise ValueError("decode_attention: the cache's head dim must be contiguous")
+    R = H // G
+    out = torch.empty((A, T, H, K), dtype=q_ATHK.dtype, device=q_ATHK.device)
+    P = max(1, -(-limit // SPLIT))
+    direct = P == 1
+    part = out if direct else torch.empty((A, T, H, P, K), dtype=torch.float32, device=out.device)
+    stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
+    BK = max(16, pow2(K))
+    if A * T:
+        A_.decode_attention_fwd[(A * G, P)](
+            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
+            T, R, G, H, K, limit, K**-0.5, P,
+            positions_AT.stride(0), positions_AT.stride(1), valid_AT.stride(0), valid_AT.stride(1),
+            q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
+            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
+            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
+            SPLIT=SPLIT, BM=max(16, pow2(T * R)), BN=BN, BK=BK, BT=max(2, pow2(T)),
+            DIRECT=direct, PRECISION="ieee" if q_ATHK.dtype == torch.float32 else "tf32",
+            DOT_FP32=INTERPRET,
+            num_warps=4,
+        )  # fmt: skip
+        if not direct:
+            A_.decode_attention_combine[(A * T * H,)](
+                part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
+            )
+    return out
+
+
+@decode_attention.register_fake
+def _(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q_ATHK, memory_format=torch.contiguous_format)

@@ -1,0 +1,118 @@
+"""Triton kernels of the engine's decode attention: a few query tokens per row over its cache.
+
+Legend: A active rows, T query tokens per row, H query heads, G kv heads, R = H / G query heads
+per kv head, M = T * R query vectors of one (row, kv head), N cache positions, K head dim,
+P splits of the key range.
+
+- `decode_attention_fwd`: one program per (row, kv head, split of SPLIT keys). It loads the
+  row's M query vectors once, walks its split's keys in BN-key blocks up to the row's end (the
+  largest query position + 1 of its real tokens: the live prefix, not the cache bucket) with an
+  online softmax in fp32, and writes either the normalised output (one split) or its
+  unnormalised accumulator with the running max and sum (several splits).
+- `decode_attention_combine`: one program per (row, token, head) merges the splits' partials in
+  split order.
+Split boundaries sit at fixed key positions and a split past a row's end contributes exact
+zeros, so the result does not depend on the key bucket (`limit`) a call was given: an eager
+step and a CUDA-graph step of a larger bucket compute the same bits. The dots take the cache's
+dtype (bf16 tensor-core dots, fp32 accumulation; fp32 inputs in IEEE precision); `DOT_FP32`
+upcasts their operands first, for the Triton interpreter, whose bf16 dot is not exact.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_fwd(
+    q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
+    T, R, G, H, K, limit, scale, P,
+    sp_a, sp_t, sr_a, sr_t, sq_a, sq_t, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    a, g = pid // G, pid % G
+    t_all = tl.arange(0, BT)
+    pos_t = tl.load(pos_ptr + a * sp_a + t_all * sp_t, mask=t_all < T, other=0)
+    real_t = tl.load(valid_ptr + a * sr_a + t_all * sr_t, mask=t_all < T, other=0) != 0
+    end = tl.minimum(tl.max(tl.where(real_t, pos_t + 1, 0), axis=0), limit)
+    lo = s * SPLIT
+    hi = tl.minimum(lo + SPLIT, end)
+
+    m = tl.arange(0, BM)
+    t_m, r_m = m // R, m % R
+    m_ok = m < T * R
+    qpos = tl.load(pos_ptr + a * sp_a + t_m * sp_t, mask=m_ok, other=0)
+    d = tl.arange(0, BK)
+    d_ok = d < K
+    q_off = a.to(tl.int64) * sq_a + t_m[:, None] * sq_t + (g * R + r_m)[:, None] * sq_h + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    k_base = k_ptr + row * sk_b + g * sk_g
+    v_base = v_ptr + row * sv_b + g * sv_g
+
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    for start in range(lo, hi, BN):
+        n = start + tl.arange(0, BN)
+        n_ok = n < hi
+        kt = tl.load(
+            k_base + n[None, :].to(tl.int64) * sk_n + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
+        scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + n[:, None].to(tl.int64) * sv_n + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
+    o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
+    ok = m_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
+    else:
+        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
+def decode_attention_combine(
+    part_ptr, stat_ptr, out_ptr, P, K, BP: tl.constexpr, BK: tl.constexpr
+):  # fmt: skip
+    o_row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BP)
+    d = tl.arange(0, BK)
+    s_ok = s < P
+    m_s = tl.load(stat_ptr + (o_row * P + s) * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(stat_ptr + (o_row * P + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m_s, axis=0)
+    w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
+    acc = tl.load(
+        part_ptr + (o_row * P + s[:, None]) * K + d[None, :],
+        mask=s_ok[:, None] & (d < K)[None, :], other=0.0,
+    )  # fmt: skip
+    total = tl.sum(acc * w_s[:, None], axis=0)
+    norm = tl.sum(l_s * w_s, axis=0)
+    out = total / tl.where(norm == 0.0, 1.0, norm)
+    tl.store(out_ptr + o_row * K + d, out.to(out_ptr.dtype.element_ty), mask=d < K)

@@ -1,0 +1,98 @@
+"""Checks of the fused decode attention (birkhoff.kernels.attention) against SDPA with the
+engine's explicit mask, on any device: CPU under the Triton interpreter
+(attention_interpret_cases.py) and CUDA (test_attention_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # absolute, outputs are O(1)
+# (dtype, T, H, G, K, rows in the cache, capacity, limit): decode (T=1), verify (T=3), GQA,
+# odd head dims, several splits (limit > 256) and a limit below some rows' positions
+CASES = [
+    (torch.float32, 1, 4, 4, 16, 5, 40, 33),
+    (torch.float32, 3, 8, 2, 24, 4, 64, 50),
+    (torch.float32, 1, 6, 3, 64, 3, 700, 600),
+    (torch.bfloat16, 1, 12, 12, 64, 6, 300, 130),
+    (torch.bfloat16, 3, 12, 4, 64, 5, 600, 530),
+    (torch.bfloat16, 2, 2, 1, 128, 3, 300, 290),
+]
+
+
+def case_id(case: tuple) -> str:
+    dt, T, H, G, K, B, N, limit = case
+    return f"{str(dt)[6:]}-T{T}-H{H}G{G}-K{K}-N{limit}"
+
+
+def reference(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, limit):  # type: ignore[no-untyped-def]
+    """The engine's eager attention (engine/forward.py): SDPA over slots 0..limit-1."""
+    H, G = q_ATHK.shape[2], k_BGNK.shape[1]
+    k, v = k_BGNK[rows_A, :, :limit], v_BGNK[rows_A, :, :limit]
+    keys_N = torch.arange(limit, device=q_ATHK.device)
+    mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
+    out = F.scaled_dot_product_attention(
+        q_ATHK.transpose(1, 2), k, v, attn_mask=mask_A1TN, enable_gqa=H != G
+    )
+    return out.transpose(1, 2)
+
+
+def make_case(device: str, case: tuple, seed: int = 0):  # type: ignore[no-untyped-def]
+    """q, the cache (a layer view of a [L, B, G, N, K] tensor), rows, positions and validity as
+    a step has them: consecutive positions per row ending below `limit`, one padded token."""
+    dt, T, H, G, K, B, N, limit = case
+    g = torch.Generator().manual_seed(seed)
+    A = B - 1
+    q = torch.randn(A, T, H, K, generator=g).to(dt).to(device)
+    kv = (2 * torch.randn(2, 2, B, G, N, K, generator=g)).to(dt).to(device)
+    k_BGNK, v_BGNK = kv[0, 1], kv[1, 1]
+    rows_A = torch.randperm(B, generator=g)[:A].to(device)
+    starts = torch.randint(0, limit - T + 1, (A,), generator=g)
+    starts[0] = limit - T  # one row reaches the limit
+    positions_AT = (starts[:, None] + torch.arange(T)).to(device)
+    valid_AT = torch.ones(A, T, dtype=torch.bool, device=device)
+    if T > 1:  # a padded token: the trash slot, ignored for the row's key range
+        valid_AT[1, -1] = False
+        positions_AT[1, -1] = N - 1
+    return q, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit
+
+
+def check_decode_attention(device: str, case: tuple) -> None:
+    from birkhoff.kernels.attention import decode_attention
+
+    q, k, v, rows_A, positions_AT, valid_AT, limit = make_case(device, case)
+    with torch.no_grad():
+        got = decode_attention(q, k, v, rows_A, positions_AT, valid_AT, limit)
+        want = reference(q, k, v, rows_A, positions_AT, limit)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    real = valid_AT[:, :, None, None].expand_as(got)
+    err = (got.float() - want.float())[real].abs().max().item()
+    assert err <= TOL[q.dtype], err
+
+
+def check_limit_independent(device: str, case: tuple) -> None:
+    """The same rows with a larger key bucket (a CUDA graph's) give the same bits."""
+    from birkhoff.kernels.attention import decode_attention
+
+    q, k, v, rows_A, positions_AT, valid_AT, limit = make_case(device, case)
+    with torch.no_grad():
+        base = decode_attention(q, k, v, rows_A, positions_AT, valid_AT, limit)
+        for bigger in (limit + 1, k.shape[2] - 1):
+            wider = decode_attention(q, k, v, rows_A, positions_AT, valid_AT, bigger)
+            assert torch.equal(base[valid_AT], wider[valid_AT]), bigger
+
+
+def check_strided_positions(device: str, case: tuple) -> None:
+    """Positions and validity as a verify step builds them: a broadcast live flag (stride 0
+    along T) and positions in another memory order."""
+    from birkhoff.kernels.attention import decode_attention
+
+    q, k, v, rows_A, positions_AT, valid_AT, limit = make_case(device, case)
+    A, T = positions_AT.shape
+    positions_AT[1] = positions_AT[1, 0] + torch.arange(T, device=device)  # no padding
+    column_major = positions_AT.t().contiguous().t()
+    live_AT = torch.ones(A, 1, dtype=torch.bool, device=device).expand(A, T)
+    with torch.no_grad():
+        got = decode_attention(q, k, v, rows_A, column_major, live_AT, limit)
+        want = reference(q, k, v, rows_A, positions_AT, limit)
+    assert (got.float() - want.float()).abs().max().item() <= TOL[q.dtype]

@@ -1,0 +1,55 @@
+"""Fused decode attention against SDPA under the Triton interpreter on CPU (run by
+test_mhc_interpret.py in a fresh process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from attention_cases import (
+    CASES,
+    case_id,
+    check_decode_attention,
+    check_limit_independent,
+    check_strided_positions,
+)
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decode_attention_matches_sdpa(case: tuple) -> None:
+    check_decode_attention("cpu", case)
+
+
+@pytest.mark.parametrize("case", CASES[2:4], ids=case_id)
+def test_decode_attention_does_not_depend_on_the_key_bucket(case: tuple) -> None:
+    check_limit_independent("cpu", case)
+
+
+def test_decode_attention_rejects_bad_shapes() -> None:
+    from birkhoff.kernels.attention import decode_attention
+
+    q, k = torch.randn(2, 1, 6, 16), torch.randn(3, 4, 32, 16)
+    rows, pos, valid = torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).bool()
+    with pytest.raises(ValueError, match="vs cache"):
+        decode_attention(q, k, k, rows, pos, valid, 8)
+    with pytest.raises(ValueError, match="limit 40 exceeds 32"):
+        decode_attention(q[:, :, :4], k, k, rows, pos, valid, 40)
+
+
+def test_custom_op_registration() -> None:
+    from birkhoff.kernels.attention import decode_attention
+
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(3, 2, 32, 16)
+    rows, pos = torch.tensor([2, 0]), torch.tensor([[4, 5, 6], [0, 1, 31]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    torch.library.opcheck(decode_attention, (q, k, k, rows, pos, valid, 20))
+
+
+@pytest.mark.parametrize("case", CASES[1:2] + CASES[4:5], ids=case_id)
+def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case: tuple) -> None:
+    check_strided_positions("cpu", case)

@@ -1,0 +1,34 @@
+"""Fused decode attention on CUDA against SDPA with the engine's mask (the engine's greedy
+tokens with every fused op are test_mhc_gpu.py's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import (
+    CASES,
+    case_id,
+    check_decode_attention,
+    check_limit_independent,
+    check_strided_positions,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decode_attention_matches_sdpa(case: tuple) -> None:
+    check_decode_attention("cuda", case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decode_attention_does_not_depend_on_the_key_bucket(case: tuple) -> None:
+    check_limit_independent("cuda", case)
+
+
+@pytest.mark.parametrize("case", CASES[1:2] + CASES[4:5], ids=case_id)
+def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case: tuple) -> None:
+    check_strided_positions("cuda", case)
