@@ -41,3 +41,45 @@ def check_rope(device: str, dtype: torch.dtype, H: int, G: int, K: int) -> None:
     with torch.no_grad():
         for x in (q.view(A, T, H, K), k.view(A, T, G, K)):
             close(apply_rope(x, cos, sin, kernels="triton"), apply_rope(x, cos, sin))
+
+
+def check_rope_cache(device: str, dtype: torch.dtype, H: int, G: int, K: int) -> None:
+    """rope(q) returned, rope(k) and v written at (row, position) of one cache layer, as the
+    eager rope and KVCache.write do; a padded token writes the trash slot only."""
+    from birkhoff.engine.kv_cache import KVCache
+    from birkhoff.kernels.norm_rope import rope_cache
+
+    g = torch.Generator().manual_seed(K + H)
+    A, T, B, N = 3, 4, 5, 32
+    qkv = torch.randn(A, T, (H + 2 * G) * K, generator=g).to(dtype).to(device)
+    q, k, v = (t.view(A, T, -1, K) for t in qkv.split([H * K, G * K, G * K], -1))
+    rows = torch.tensor([3, 0, 4], device=device)
+    positions = (torch.tensor([[5], [0], [20]]) + torch.arange(T)).to(device)
+    positions[2, -1] = N - 1  # padding: the trash slot
+    cos, sin = rope_tables(positions, K, 10000.0)
+    before = torch.randn(2, 2, B, G, N, K, generator=g).to(dtype).to(device)
+    caches = [KVCache(2, B, G, N, K, dtype=dtype, device=device) for _ in range(2)]
+    for c in caches:
+        c.k.copy_(before[0]), c.v.copy_(before[1])
+    with torch.no_grad():
+        got_q = rope_cache(q, k, v, cos, sin, *caches[0].layer(1), rows, positions)
+        want_q = apply_rope(q, cos, sin)
+        caches[1].write(1, rows, positions, apply_rope(k, cos, sin), v)
+    close(got_q, want_q)
+    for got, want in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        close(got[:, :, :, : N - 1], want[:, :, :, : N - 1])
+
+
+SILU_CASES = [(dt, F) for dt in (torch.float32, torch.bfloat16) for F in (24, 2048, 3000)]
+
+
+def check_silu_mul(device: str, dtype: torch.dtype, F: int) -> None:
+    from birkhoff.model.layers import swiglu, swiglu_halves
+
+    g = torch.Generator().manual_seed(F)
+    gate_up = (2 * torch.randn(2, 7, 2 * F, generator=g)).to(dtype).to(device)
+    with torch.no_grad():
+        got = swiglu_halves(gate_up, kernels="triton")
+        want = swiglu(*gate_up.float().chunk(2, dim=-1)).to(dtype)  # fp32 math, one rounding
+    close(got, want)
+    close(swiglu_halves(gate_up), swiglu(*gate_up.chunk(2, dim=-1)))

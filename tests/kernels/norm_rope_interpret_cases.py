@@ -8,7 +8,15 @@ import os
 import pytest
 import torch
 from mhc_model_cases import check_engine_greedy
-from norm_rope_cases import NORM_CASES, ROPE_CASES, check_rms_norm, check_rope
+from norm_rope_cases import (
+    NORM_CASES,
+    ROPE_CASES,
+    SILU_CASES,
+    check_rms_norm,
+    check_rope,
+    check_rope_cache,
+    check_silu_mul,
+)
 
 from birkhoff.model.layers import rms_norm
 
@@ -55,3 +63,15 @@ def test_custom_op_registration(name: str) -> None:
 
 def test_engine_greedy_tokens_fused_equal_eager() -> None:
     check_engine_greedy("cpu")
+
+
+@pytest.mark.parametrize(("dtype", "H", "G", "K"), ROPE_CASES)
+def test_rope_cache_matches_rope_and_cache_write(
+    dtype: torch.dtype, H: int, G: int, K: int
+) -> None:
+    check_rope_cache("cpu", dtype, H, G, K)
+
+
+@pytest.mark.parametrize(("dtype", "F"), SILU_CASES)
+def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
+    check_silu_mul("cpu", dtype, F)

@@ -9,17 +9,18 @@ depth catching up on accepted positions. Rows with fewer than T real positions a
 padded slots read and write the cache's trash slot and their outputs are ignored.
 
 Numerics are the trainer's own pure functions from `birkhoff.model` (rms_norm, apply_rope,
-swiglu, hyper_connection, plain_residual, contract, single_stream,
+swiglu_halves, hyper_connection, plain_residual, contract, single_stream,
 expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the engine
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
-on CUDA ("auto") the mHC ops, RMSNorm and rope run as fused Triton kernels (RMSNorm and rope as
-forward-only ops: a step needs no gradient), elsewhere as the eager reference.
+on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
+ops forward-only: a step needs no gradient), elsewhere as the eager reference.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
-repeat_interleave). With fused kernels, chunks of decode size (decode, verify and draft steps)
-use `birkhoff.kernels.attention` instead: the same attention, reading each row's live prefix
-in place.
+repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
+cache (`kernels.norm_rope.rope_cache`), and chunks of decode size (decode, verify and draft
+steps, short prompts) attend with `kernels.attention`: the same attention, reading each row's
+live prefix in place.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from birkhoff.model.hyper import (
     plain_residual,
     single_stream,
 )
-from birkhoff.model.layers import apply_rope, rms_norm, swiglu
+from birkhoff.model.layers import apply_rope, rms_norm, swiglu_halves
 from birkhoff.model.mtp import mtp_merge
 
 Weights = dict[str, Tensor]
@@ -114,9 +115,16 @@ def attention(
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
         q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
         k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps, kernels=kernels)
-    q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
-    k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
-    cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
+    if use_fused(q_ATHK, kernels):  # one launch: rope of q and k, k and v into the cache
+        from birkhoff.kernels.norm_rope import rope_cache
+
+        k_BGNK, v_BGNK = cache.layer(layer)
+        q_ATHK = rope_cache(q_ATHK, k_ATGK, v.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK,
+                            k_BGNK, v_BGNK, chunk.rows_A, chunk.positions_AT)  # fmt: skip
+    else:
+        q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
+        k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
+        cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
     if use_fused(q_ATHK, kernels) and T * (H // G) <= DECODE_QUERIES:
         from birkhoff.kernels.attention import decode_attention
 
@@ -133,16 +141,16 @@ def attention(
     return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias)
 
 
-def mlp(x_ATD: Tensor, w: Weights, prefix: str) -> Tensor:
-    gate_ATF, up_ATF = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight").chunk(2, dim=-1)
-    return linear(swiglu(gate_ATF, up_ATF), w, prefix + "mlp.w_down.weight")
+def mlp(x_ATD: Tensor, w: Weights, prefix: str, kernels: str) -> Tensor:
+    gate_up_ATF2 = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight")
+    return linear(swiglu_halves(gate_up_ATF2, kernels=kernels), w, prefix + "mlp.w_down.weight")
 
 
 def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
     """The block's MLP: MoE where the layout serves a router (engine/moe.py), else SwiGLU."""
     if prefix + "mlp.router.weight" in w:
         return moe_mlp(x_ATD, w, prefix, cfg)
-    return mlp(x_ATD, w, prefix)
+    return mlp(x_ATD, w, prefix, cfg.mhc_kernels)
 
 
 def hyper(

@@ -51,6 +51,10 @@ class KVCache:
         self.k[layer][rows_A[:, None], :, positions_AT] = k_ATGK
         self.v[layer][rows_A[:, None], :, positions_AT] = v_ATGK
 
+    def layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """K, V [B,G,N,K] of one layer, as views (fused kernels read and write them in place)."""
+        return self.k[layer], self.v[layer]
+
     def read(self, layer: int, limit: int) -> tuple[Tensor, Tensor]:
         """K, V [B,G,limit,K] of positions 0..limit-1, as views (no copy)."""
         assert limit < self.capacity, f"read limit {limit} reaches the trash slot"

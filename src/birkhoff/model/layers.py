@@ -11,7 +11,7 @@ Design choices:
   transformers' rope init functions; dynamic NTK and longrope are left out (import refuses them).
 - Projections are separate (wq, wk, wv; w_gate, w_up) in the trainer layout; the engine fuses
   them (see birkhoff/engine/layout.py) and calls the same pure functions (`rms_norm`,
-  `apply_rope`, `swiglu`).
+  `apply_rope`, `swiglu_halves`).
 """
 
 from __future__ import annotations
@@ -200,3 +200,13 @@ class SwiGLU(nn.Module):
 def swiglu(gate_BTF: Tensor, up_BTF: Tensor) -> Tensor:
     """The SwiGLU activation silu(gate) * up (the projections around it are the caller's)."""
     return F.silu(gate_BTF) * up_BTF
+
+
+def swiglu_halves(gate_up_BTF2: Tensor, *, kernels: str = "eager") -> Tensor:
+    """`swiglu` of the two halves [gate | up] of one fused projection's output (the engine's
+    w_gate_up); `kernels` as for `rms_norm`."""
+    if _fused_inference(kernels, gate_up_BTF2):
+        from birkhoff.kernels import norm_rope
+
+        return norm_rope.silu_mul(gate_up_BTF2)
+    return swiglu(*gate_up_BTF2.chunk(2, dim=-1))
