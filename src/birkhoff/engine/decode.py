@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Chunk, Weights, lm_head, main_forward, make_chunk, mtp_forward
+from birkhoff.engine.forward import Chunk, Weights, make_chunk, mtp_forward
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.rng import RequestRandom
@@ -47,7 +47,7 @@ from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams, is_filtered
 from birkhoff.engine.scheduler import Scheduler
 from birkhoff.engine.speculative import SpecStats
-from birkhoff.engine.step import StepContext, plain_step, sample_next, speculative_step
+from birkhoff.engine.step import StepContext, plain_step, prefill_step, speculative_step
 from birkhoff.engine.transfer import HostCopy, to_device, to_host
 
 
@@ -57,6 +57,9 @@ class Completion:
     logprobs: list[float]  # of each token under the distribution it was sampled from
     weight_version: int  # the engine weights that produced it
     finish_reason: str  # "stop" (stop token) | "length" (max_new_tokens or max_seq_len)
+
+
+PREFILL_GRAPH_TOKENS = 8192  # batch bucket x length bucket of the largest graphed prefill
 
 
 class QueuedStep(NamedTuple):
@@ -172,7 +175,9 @@ class Generation:
         return self.ctx if filtered == self.ctx.filtered else replace(self.ctx, filtered=filtered)
 
     def admit(self) -> None:
-        """Give free rows to waiting requests and prefill them (eagerly: T is the prompt)."""
+        """Give free rows to waiting requests and prefill them (`prefill_step`: a CUDA graph of
+        the rows' batch bucket and prompt-length bucket with graphs, up to PREFILL_GRAPH_TOKENS
+        positions in all, else eagerly over the prompts)."""
         admitted = self.scheduler.admit()
         if not admitted:
             return
@@ -184,28 +189,24 @@ class Generation:
                 valid[row] = 0
         self.rng.assign(rows, [RequestRandom.request_key(self.seed, r) for _, r in admitted])
         self.rows.sampling.assign(rows, [self.row_params[i] for i in rows])
-        chunk = self.chunk(rows, [0] * len(rows), [self.n[i] + 1 for i in rows])
-        tokens_AT = torch.zeros(chunk.valid_AT.shape, dtype=torch.long)
+        lengths = [self.n[i] + 1 for i in rows]
+        tokens_AT = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
         for a, (_, r) in enumerate(admitted):
             tokens_AT[a, : len(self.prompts[r])] = torch.tensor(self.prompts[r])
-        tokens_AT = to_device(tokens_AT, self.device)
-        self.tokens_BN[chunk.rows_A, : tokens_AT.shape[1]] = tokens_AT
-        ms_ATSD, hidden_ATD = main_forward(self.w, self.cfg, self.cache, tokens_AT, chunk)
-        if self.drafter is not None:
-            self.drafter.streams.write(0, chunk.rows_A, chunk.positions_AT, ms_ATSD)
-        last_A = self.n_of(rows)
-        hidden_AD = hidden_ATD[torch.arange(len(rows), device=self.device), last_A]
-        live_A = torch.ones(len(rows), dtype=torch.bool, device=self.device)
-        logits_AV = lm_head(hidden_AD, self.w, self.cfg)
-        next_A, logp_A = sample_next(self.context(rows), chunk.rows_A, last_A, live_A, logits_AV)
-        for i, tok, lp in zip(rows, next_A.tolist(), logp_A.tolist(), strict=True):
-            self.emit(i, [tok], [lp])
+        rows_A = to_device(rows, self.device)
+        self.tokens_BN[rows_A, : tokens_AT.shape[1]] = to_device(tokens_AT, self.device)
+        out_A2 = self.steps.run(
+            prefill_step, self.context(rows), rows, [lengths, [1] * len(rows)], max(lengths),
+            max_graph_tokens=PREFILL_GRAPH_TOKENS,
+        )  # fmt: skip
+        for i, (tok, lp) in zip(rows, out_A2.tolist(), strict=True):
+            self.emit(i, [int(tok)], [lp])
         if self.drafter is not None:  # speculative (num_drafts > 0)
             self.catch_up_drafter(rows)
             # speculative steps read n and the draft starts from the device
-            self.rows.n_B[chunk.rows_A] = self.n_of(rows)
+            self.rows.n_B[rows_A] = self.n_of(rows)
             starts = [[valid[i] for i in rows] for valid in self.valid]
-            self.drafter.valid_JB[: self.num_drafts, chunk.rows_A] = to_device(starts, self.device)
+            self.drafter.valid_JB[: self.num_drafts, rows_A] = to_device(starts, self.device)
 
     def catch_up_drafter(self, rows: list[int]) -> None:
         """Run depth k over positions 0..n-k-1 of newly admitted rows (everything it can see

@@ -2,9 +2,10 @@
 
 Legend: A active rows, K rows of a step's state, N key positions, J drafts per step.
 
-A step is `step.plain_step` or `step.speculative_step`: a function of persistent tensors and a
-per-row state [K, A] (no host sync inside, sampling included). `Steps` calls it on the active
-rows; `GraphSteps` replays a CUDA graph captured for the step's static shape:
+A step is `step.prefill_step`, `step.plain_step` or `step.speculative_step`: a function of
+persistent tensors and a per-row state [K, A] (no host sync inside, sampling included). `Steps`
+calls it on the active rows; `GraphSteps` replays a CUDA graph captured for the step's static
+shape:
 - rows: the cache rows 0..A'-1 of the smallest batch bucket A' (1, 2, 4, ..., up to the engine's
   maximum) that holds every active row; the scheduler packs active rows at the front. Rows of the
   bucket without a request get a state that is not live: they compute on the trash slot, and
@@ -13,7 +14,9 @@ rows; `GraphSteps` replays a CUDA graph captured for the step's static shape:
   that covers the step; the causal mask is built on the device from the positions, as are the
   rope tables (a gather) and the cache writes (index_put).
 - one graph per (step, K, A', N', whether some row filters with top-k / top-p: else the sort is
-  skipped). Prefill runs eagerly (decode.py).
+  skipped). A prefill is a step too (`step.prefill_step`: T = N' positions of the bucket's rows,
+  only the admitted rows live), graphed up to a size the caller gives (decode.py), else eager;
+  the MTP depths' catch-up on a new prompt runs eagerly.
 The state is copied into a static buffer (one per K) and results come back in a static buffer
 shared by every graph of the same step and K; the active rows' results are copied out, so the
 next replay may run before the host reads them. Graphs are captured lazily, on the first step
@@ -29,7 +32,7 @@ only when every weight it reads lives where it was captured, and the generation 
 (or captures) another set; it can never leave a graph reading stale or freed memory. Refit
 alternates between two buffer banks, so two sets (`MAX_WEIGHT_SETS`) serve every later refit
 without capturing again. Caches and stream buffers are allocated once per engine and never move.
-Left out: capturing prefill, torch.compile, piecewise graphs.
+Left out: torch.compile, piecewise graphs.
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ class Steps:
     static_shapes = False  # steps may take shapes that fit the rows exactly
 
     def run(
-        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int
-    ) -> Tensor:
+        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int,
+        *, max_graph_tokens: int | None = None,
+    ) -> Tensor:  # fmt: skip
         """`step`'s result [A, ...] for cache rows `rows` with state [K, A]; keys are slots
-        0..limit-1."""
+        0..limit-1. `max_graph_tokens`: graph steps run eagerly where the batch bucket times
+        the length bucket exceeds it (a prefill of long prompts: its activations would stay in
+        the graph pool)."""
         device = ctx.cache.k.device
         prefix = len(rows) if rows == list(range(len(rows))) else None
         return step(ctx, to_device(rows, device), prefix, to_device(state, device), limit)
@@ -147,10 +153,13 @@ class GraphSteps(Steps):
         self.pool, self.graphs = pool, pool.graphs_for(weights)
 
     def run(
-        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int
-    ) -> Tensor:
+        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int,
+        *, max_graph_tokens: int | None = None,
+    ) -> Tensor:  # fmt: skip
         K, A = len(state), bucket(max(rows) + 1, self.pool.max_rows)
         N = bucket(limit, self.pool.capacity - 1, MIN_KEYS)
+        if max_graph_tokens is not None and max_graph_tokens < A * N:
+            return super().run(step, ctx, rows, state, limit)
         padded = [[0] * A for _ in state]  # rows of the bucket without a request: not live
         for a, i in enumerate(rows):
             for dst, src in zip(padded, state, strict=True):

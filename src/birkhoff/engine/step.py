@@ -1,18 +1,20 @@
-"""The steps a generation runs on the device: plain decode, and draft + verify + accept.
+"""The steps a generation runs on the device: prefill, plain decode, and draft + verify + accept.
 
 Legend: A rows of a step, J drafts per step, T tokens of a chunk (plain: 1; verify: J+1),
 V vocab, S streams, D model dim, B cache rows, N cache positions.
 
 A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
 sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`plain_step`: pending position n and a live flag; `speculative_step`: the live flag only, as it
-reads each row's pending position n and each draft depth's first position to recompute from the
-device (`RowState.n_B`, `DrafterState.valid_JB`) and advances both itself, so the host can
-queue the next speculative step before it has read this one's result). It builds its chunk,
+(`prefill_step`: prompt length and a live flag; `plain_step`: pending position n and a live
+flag; `speculative_step`: the live flag only, as it reads each row's pending position n and each
+draft depth's first position to recompute from the device (`RowState.n_B`,
+`DrafterState.valid_JB`) and advances both itself, so the host can queue the next speculative
+step before it has read this one's result). It builds its chunk,
 runs the model, samples, writes the tokens it produced into `tokens_BN` and returns one fp64
 result row per row, so it has static shapes and no host sync: graphs.py replays it as one CUDA
 graph; eagerly it is the reference. Rows that hold no request (the padding of a graph's batch
-bucket) are not live: they read and write only the trash slot and their results are dropped.
+bucket; in a prefill, every row not being admitted) are not live: they read and write only
+the trash slot and their results are dropped.
 
 Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
 first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
@@ -31,7 +33,14 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Weights, chunk_at, decode_step, draft_step
+from birkhoff.engine.forward import (
+    Weights,
+    chunk_at,
+    decode_step,
+    draft_step,
+    lm_head,
+    main_forward,
+)
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE
 from birkhoff.engine.rows import RowState
@@ -76,6 +85,29 @@ def plain_step(
     tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], torch.where(live_A, n_A, 0)[:, None]]
     _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
     next_A, logp_A = sample_next(ctx, rows_A, n_A, live_A, logits_A1V[:, 0])
+    return torch.stack((next_A.double(), logp_A.double()), dim=1)
+
+
+def prefill_step(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
+) -> Tensor:
+    """Prefill (state [2, A]: prompt length L, live): the main model over positions 0..L-1 of
+    each live row (its prompt, already in tokens_BN) as one chunk of T = limit positions, the
+    multistream into the drafter's depth-0 buffer, and the token after the prompt sampled at
+    pending position L - 1, as `plain_step` returns it: [A, 2] fp64 of (token, logprob)."""
+    len_A, live_A = state_KA[0], state_KA[1].bool()
+    pos_T = torch.arange(limit, device=rows_A.device)
+    valid_AT = live_A[:, None] & (pos_T[None, :] < len_A[:, None])
+    positions_AT = torch.where(valid_AT, pos_T, ctx.cache.trash)
+    chunk = chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=ctx.rope, limit=limit)
+    tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(valid_AT, pos_T, 0)]
+    ms_ATSD, hidden_ATD = main_forward(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
+    if ctx.drafter is not None:
+        ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
+    last_A = (len_A - 1).clamp(min=0)
+    hidden_AD = hidden_ATD[torch.arange(len(rows_A), device=rows_A.device), last_A]
+    logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
+    next_A, logp_A = sample_next(ctx, rows_A, last_A, live_A, logits_AV)
     return torch.stack((next_A.double(), logp_A.double()), dim=1)
 
 
