@@ -81,6 +81,27 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
     assert {key[4] for key in keys} == {False, True}  # steps with and without a top-k row
 
 
+def test_prefill_above_the_graph_budget_runs_eagerly_on_cpu(
+    trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill whose batch bucket x length bucket exceeds PREFILL_GRAPH_TOKENS runs eagerly
+    (no prefill graph), inside an otherwise graphed generation, with eager's tokens."""
+    from birkhoff.engine import decode
+
+    model = copy.deepcopy(trained_model).double()
+    eager = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed = Engine.from_model(model, dtype=torch.float64, max_batch_size=4)
+    graphed.graphs = EmulatedPool(4, graphed.capacity, graphed.device)
+    monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 4 * 32 - 1)  # below any 4-row prefill
+    params = mixed_params(0)
+    out, ref = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    kinds = {key[0] for graphs in graphed.graphs.sets.values() for key in graphs}
+    assert kinds == {"plain_step", "prefill_step"}  # later one-row admissions fit: graphed
+    prefills = [key for g in graphed.graphs.sets.values() for key in g if key[0] == "prefill_step"]
+    assert all(key[2] * key[3] <= 4 * 32 - 1 for key in prefills)
+
+
 def test_speculative_steps_run_ahead_until_near_max_seq_len_on_cpu(
     trained_model: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -75,3 +75,31 @@ def test_rope_cache_matches_rope_and_cache_write(
 @pytest.mark.parametrize(("dtype", "F"), SILU_CASES)
 def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
     check_silu_mul("cpu", dtype, F)
+
+
+def test_engine_steps_run_the_fused_per_token_ops() -> None:
+    """With fused kernels the engine's prefill, decode and speculative steps call the fused
+    attention prologue, decode attention and SwiGLU (no silent fallback to the eager ops)."""
+    from collections import Counter
+
+    from mhc_model_cases import build_model, tiny_config
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from birkhoff.engine import Engine, SamplingParams
+
+    class Calls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen[str(func).split(".")[1] if str(func).startswith("birkhoff") else ""] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(tiny_config(mtp_depth=1, mhc_kernels="triton"), "cpu")
+    engine = Engine.from_model(model, device="cpu", dtype=torch.float32)
+    with Calls() as calls:
+        engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
+    for op in ("rope_cache", "decode_attention", "silu_mul", "rms_norm", "mhc_coefficients"):
+        assert calls.seen[op] > 0, (op, calls.seen)
+    assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches
