@@ -133,8 +133,9 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
 
 def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
     """phi transposed and zero-padded to [C, PP] in fp32 (coalesced, unmasked kernel loads)."""
-    phit_CP = phi_PC.new_zeros((phi_PC.shape[1], PP), dtype=torch.float32)
-    phit_CP[:, : phi_PC.shape[0]] = phi_PC.t()
+    (P, C), BC = phi_PC.shape, 64
+    phit_CP = phi_PC.new_empty((C, PP), dtype=torch.float32)
+    traceable(K.phi_pad_t)[(cdiv(C, BC),)](phi_PC.contiguous(), phit_CP, P, C, PP=PP, BC=BC)
     return phit_CP
 
 

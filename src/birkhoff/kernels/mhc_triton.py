@@ -9,7 +9,7 @@ PP: P padded to a power of two (>= 16).
   products, ~fp32 accurate, and bf16 values are exact in TF32; "ieee" for fp32 streams, so the
   fp32 path equals the eager one), as partial sums over splits of the C columns, so a few tokens
   (decode) still spread over many programs; phi comes transposed and zero-padded to [C, PP], so
-  its loads are coalesced and unmasked.
+  its loads are coalesced and unmasked (`phi_pad_t` writes that copy in one launch).
 - `coeff_tail`: sums the splits; logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
@@ -305,3 +305,14 @@ def grad_phi(
             acc = tl.dot(g_t, xv.to(tl.float32), acc, input_precision=PREC)
     part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
     tl.store(part + p[:, None] * C + c[None, :], acc, mask=(c < C)[None, :])
+
+
+@triton.jit
+def phi_pad_t(phi_ptr, out_ptr, P, C, PP: tl.constexpr, BC: tl.constexpr):
+    """out[C, PP] = phi[P, C]^T, zero in the padded columns p >= P (one launch instead of a
+    fill and a strided copy)."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    p = tl.arange(0, PP)
+    ok = (c < C)[:, None] & (p < P)[None, :]
+    tile = tl.load(phi_ptr + p[None, :] * C + c[:, None], mask=ok, other=0.0)
+    tl.store(out_ptr + c[:, None] * PP + p[None, :], tile.to(tl.float32), mask=(c < C)[:, None])
