@@ -17,6 +17,7 @@ CASES = [
     (torch.bfloat16, 1, 12, 12, 64, 6, 300, 130),
     (torch.bfloat16, 3, 12, 4, 64, 5, 600, 530),
     (torch.bfloat16, 2, 2, 1, 128, 3, 300, 290),
+    (torch.float32, 16, 4, 2, 32, 4, 80, 40),  # a short prompt's prefill chunk (M = 32)
 ]
 
 
@@ -51,9 +52,10 @@ def make_case(device: str, case: tuple, seed: int = 0):  # type: ignore[no-untyp
     starts[0] = limit - T  # one row reaches the limit
     positions_AT = (starts[:, None] + torch.arange(T)).to(device)
     valid_AT = torch.ones(A, T, dtype=torch.bool, device=device)
-    if T > 1:  # a padded token: the trash slot, ignored for the row's key range
-        valid_AT[1, -1] = False
-        positions_AT[1, -1] = N - 1
+    if T > 1:  # padded tokens: the trash slot, ignored for the row's key range
+        pad = max(1, T // 4)
+        valid_AT[1, -pad:] = False
+        positions_AT[1, -pad:] = N - 1
     return q, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit
 
 
