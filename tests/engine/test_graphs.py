@@ -76,8 +76,9 @@ def test_graph_path_logic_equals_eager_on_cpu(trained_model: Transformer, k: int
     )
     keys = {key for graphs in graphed.graphs.sets.values() for key in graphs}
     assert len({key[2] for key in keys}) >= 2 and len({key[3] for key in keys}) >= 2  # A', N'
-    kinds = {key[0] for key in keys}  # every step and prefill through a graph
-    assert kinds == {"speculative_step" if k else "plain_step", "prefill_step"}
+    kinds = {key[0] for key in keys}  # every step, prefill and catch-up through a graph
+    steps = {"speculative_step", "catch_up_step"} if k else {"plain_step"}
+    assert kinds == steps | {"prefill_step"}
     assert {key[4] for key in keys} == {False, True}  # steps with and without a top-k row
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Chunk, Weights, make_chunk, mtp_forward
+from birkhoff.engine.forward import Weights
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.rng import RequestRandom
@@ -47,7 +47,13 @@ from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams, is_filtered
 from birkhoff.engine.scheduler import Scheduler
 from birkhoff.engine.speculative import SpecStats
-from birkhoff.engine.step import StepContext, plain_step, prefill_step, speculative_step
+from birkhoff.engine.step import (
+    StepContext,
+    catch_up_step,
+    plain_step,
+    prefill_step,
+    speculative_step,
+)
 from birkhoff.engine.transfer import HostCopy, to_device, to_host
 
 
@@ -161,11 +167,6 @@ class Generation:
         p = self.params[r]
         return emitted >= p.max_new_tokens or len(self.prompts[r]) + emitted >= self.max_seq_len
 
-    def chunk(self, rows: list[int], starts: list[int], lengths: list[int]) -> Chunk:
-        return make_chunk(
-            rows, starts, lengths, trash=self.cache.trash, rope=self.rope, device=self.device
-        )
-
     def n_of(self, rows: list[int]) -> Tensor:
         return to_device([self.n[i] for i in rows], self.device)
 
@@ -209,25 +210,19 @@ class Generation:
             self.drafter.valid_JB[: self.num_drafts, rows_A] = to_device(starts, self.device)
 
     def catch_up_drafter(self, rows: list[int]) -> None:
-        """Run depth k over positions 0..n-k-1 of newly admitted rows (everything it can see
-        from accepted tokens but its last k positions), so a step recomputes at most J + k."""
+        """Run depth k over positions 0..n-k-1 of newly admitted rows (`catch_up_step`, graphed
+        as prefill is), so a step recomputes at most J + k."""
         assert self.drafter is not None
         for k in range(1, self.num_drafts + 1):
             for i in rows:
                 self.valid[k - 1][i] = max(0, self.n[i] - k)
-            todo = [i for i in rows if self.n[i] - k >= 1]
-            if not todo:
-                continue
-            chunk = self.chunk(todo, [0] * len(todo), [self.n[i] - k for i in todo])
-            # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
-            token_pos_AT = torch.where(chunk.valid_AT, chunk.positions_AT + k, 0)
-            tokens_AT = self.tokens_BN[chunk.rows_A[:, None], token_pos_AT]
-            h_prev_ATSD = self.drafter.streams.read(k - 1, chunk.rows_A, chunk.positions_AT)
-            h_ATSD, _ = mtp_forward(
-                self.w, self.cfg, k - 1, self.drafter.cache, h_prev_ATSD, tokens_AT, chunk
-            )
-            if k < self.num_drafts:
-                self.drafter.streams.write(k, chunk.rows_A, chunk.positions_AT, h_ATSD)
+        longest = max(self.n[i] - 1 for i in rows)  # depth 1's positions
+        if longest >= 1:
+            state = [[self.n[i] for i in rows], [1] * len(rows)]
+            self.steps.run(
+                catch_up_step, self.context(rows), rows, state, longest,
+                max_graph_tokens=PREFILL_GRAPH_TOKENS,
+            )  # fmt: skip
 
     def queue_plain_step(self, rows: list[int]) -> QueuedStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""

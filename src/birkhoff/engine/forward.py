@@ -36,7 +36,6 @@ from birkhoff.config import ModelConfig
 from birkhoff.engine.kv_cache import KVCache
 from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
-from birkhoff.engine.transfer import to_device
 from birkhoff.kernels import use_fused
 from birkhoff.model.hyper import (
     contract,
@@ -66,28 +65,12 @@ class Chunk:
     limit: int  # keys are slots 0..limit-1
 
 
-def make_chunk(
-    rows: list[int], starts: list[int], lengths: list[int], *, trash: int,
-    rope: tuple[Tensor, Tensor], device: torch.device,
-) -> Chunk:  # fmt: skip
-    """Chunk of `lengths[i]` positions from `starts[i]` for cache row `rows[i]`."""
-    assert min(lengths) >= 1 and min(starts) >= 0, (starts, lengths)
-    T, limit = max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True))
-    assert limit < trash, f"chunk reaches position {limit - 1}, cache trash slot is {trash}"
-    starts_A = to_device(starts, device)
-    offsets_T = torch.arange(T, device=device)
-    valid_AT = offsets_T[None, :] < to_device(lengths, device)[:, None]
-    positions_AT = torch.where(valid_AT, starts_A[:, None] + offsets_T, trash)
-    prefix = len(rows) if rows == list(range(len(rows))) else None
-    rows_A = to_device(rows, device)
-    return chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=rope, limit=limit)
-
-
 def chunk_at(
     rows_A: Tensor, prefix_rows: int | None, positions_AT: Tensor, valid_AT: Tensor, *,
     rope: tuple[Tensor, Tensor], limit: int,
 ) -> Chunk:  # fmt: skip
-    """Chunk from device tensors only (no host sync: usable inside a CUDA graph capture)."""
+    """The chunk of `positions_AT` (trash for padding) of cache rows `rows_A`, from device
+    tensors only (no host sync: usable inside a CUDA graph capture)."""
     keys_N = torch.arange(limit, device=positions_AT.device)
     mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
     cos, sin = rope[0][positions_AT], rope[1][positions_AT]

@@ -16,7 +16,7 @@ shape:
 - one graph per (step, K, A', N', whether some row filters with top-k / top-p: else the sort is
   skipped). A prefill is a step too (`step.prefill_step`: T = N' positions of the bucket's rows,
   only the admitted rows live), graphed up to a size the caller gives (decode.py), else eager;
-  the MTP depths' catch-up on a new prompt runs eagerly.
+  so is the MTP depths' catch-up on a new prompt (`step.catch_up_step`).
 The state is copied into a static buffer (one per K) and results come back in a static buffer
 shared by every graph of the same step and K; the active rows' results are copied out, so the
 next replay may run before the host reads them. Graphs are captured lazily, on the first step

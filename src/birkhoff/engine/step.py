@@ -5,7 +5,8 @@ V vocab, S streams, D model dim, B cache rows, N cache positions.
 
 A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
 sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`prefill_step`: prompt length and a live flag; `plain_step`: pending position n and a live
+(`prefill_step`: prompt length and a live flag; `catch_up_step`, a new request's draft depths
+over its prompt, and `plain_step`: pending position n and a live
 flag; `speculative_step`: the live flag only, as it reads each row's pending position n and each
 draft depth's first position to recompute from the device (`RowState.n_B`,
 `DrafterState.valid_JB`) and advances both itself, so the host can queue the next speculative
@@ -40,6 +41,7 @@ from birkhoff.engine.forward import (
     draft_step,
     lm_head,
     main_forward,
+    mtp_forward,
 )
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE
@@ -109,6 +111,31 @@ def prefill_step(
     logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
     next_A, logp_A = sample_next(ctx, rows_A, last_A, live_A, logits_AV)
     return torch.stack((next_A.double(), logp_A.double()), dim=1)
+
+
+def catch_up_step(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
+) -> Tensor:
+    """A new request's draft depths over its prompt (state [2, A]: pending position n, live):
+    depth k runs positions 0..n-k-1 (everything it can see from accepted tokens but its last
+    k positions) as one chunk of T = limit positions, so a later step recomputes at most J + k.
+    Returns [A, 1] fp64: the positions depth 1 ran."""
+    assert ctx.drafter is not None
+    n_A, live_A, trash = state_KA[0], state_KA[1].bool(), ctx.cache.trash
+    pos_T = torch.arange(limit, device=rows_A.device)
+    for k in range(1, ctx.num_drafts + 1):
+        valid_AT = live_A[:, None] & (pos_T[None, :] < (n_A - k)[:, None])
+        positions_AT = torch.where(valid_AT, pos_T, trash)
+        chunk = chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=ctx.rope, limit=limit)
+        # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
+        tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(valid_AT, pos_T + k, 0)]
+        h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
+        h_ATSD, _ = mtp_forward(
+            ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk
+        )
+        if k < ctx.num_drafts:
+            ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
+    return torch.where(live_A, n_A - 1, 0).clamp(min=0).double()[:, None]
 
 
 def draft(
