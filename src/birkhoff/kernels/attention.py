@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import attention_triton as A_
+from birkhoff.kernels import attention_triton as AT
 from birkhoff.kernels.mhc_mix import check_inputs, pow2
 from birkhoff.kernels.ops import INTERPRET
 
@@ -58,7 +58,7 @@ def decode_attention(
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
     if A * T:
-        A_.decode_attention_fwd[(A * G, P)](
+        AT.decode_attention_fwd[(A * G, P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
             T, R, G, H, K, limit, K**-0.5, P,
             positions_AT.stride(0), positions_AT.stride(1), valid_AT.stride(0), valid_AT.stride(1),
@@ -71,7 +71,7 @@ def decode_attention(
             num_warps=4,
         )  # fmt: skip
         if not direct:
-            A_.decode_attention_combine[(A * T * H,)](
+            AT.decode_attention_combine[(A * T * H,)](
                 part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
             )
     return out
