@@ -98,7 +98,8 @@ def attention(
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
         q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
         k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps, kernels=kernels)
-    if use_fused(q_ATHK, kernels):  # one launch: rope of q and k, k and v into the cache
+    fused = use_fused(q_ATHK, kernels)
+    if fused:  # one launch: rope of q and k, k and v into the cache
         from birkhoff.kernels.norm_rope import rope_cache
 
         k_BGNK, v_BGNK = cache.layer(layer)
@@ -108,7 +109,7 @@ def attention(
         q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
         k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
         cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
-    if use_fused(q_ATHK, kernels) and T * (H // G) <= DECODE_QUERIES:
+    if fused and T * (H // G) <= DECODE_QUERIES:
         from birkhoff.kernels.attention import decode_attention
 
         k_BGNK, v_BGNK = cache.read(layer, chunk.limit)  # rows read in place, live prefix only
@@ -221,13 +222,3 @@ def decode_step(
     """(multistream [A,T,S,D], logits [A,T,V]) of a plain (T = 1) or verify (T = J+1) step."""
     ms_ATSD, hidden_ATD = main_forward(w, cfg, cache, tokens_AT, chunk)
     return ms_ATSD, lm_head(hidden_ATD, w, cfg)
-
-
-def draft_step(
-    w: Weights, cfg: ModelConfig, depth: int, cache: KVCache, h_prev_ATSD: Tensor,
-    tokens_AT: Tensor, chunk: Chunk, last_A: Tensor,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(h_depth [A,T,S,D], logits [A,V] at chunk offset last_A) of one MTP depth."""
-    h_ATSD, head_ATD = mtp_forward(w, cfg, depth, cache, h_prev_ATSD, tokens_AT, chunk)
-    head_AD = head_ATD[torch.arange(len(last_A), device=last_A.device), last_A]
-    return h_ATSD, lm_head(head_AD, w, cfg)

@@ -12,7 +12,7 @@ shape:
   their results are dropped.
 - keys: cache slots 0..N'-1 of a length bucket N' (a power of two >= 32, at most capacity - 1)
   that covers the step; the causal mask is built on the device from the positions, as are the
-  rope tables (a gather) and the cache writes (index_put).
+  rope tables (a gather) and the cache writes (index_put, or the fused rope + cache write).
 - one graph per (step, K, A', N', whether some row filters with top-k / top-p: else the sort is
   skipped). A prefill is a step too (`step.prefill_step`: T = N' positions of the bucket's rows,
   only the admitted rows live), graphed up to a size the caller gives (decode.py), else eager;

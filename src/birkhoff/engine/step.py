@@ -5,17 +5,17 @@ V vocab, S streams, D model dim, B cache rows, N cache positions.
 
 A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
 sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`prefill_step`: prompt length and a live flag; `catch_up_step`, a new request's draft depths
-over its prompt, and `plain_step`: pending position n and a live
-flag; `speculative_step`: the live flag only, as it reads each row's pending position n and each
+(`prefill_step`: prompt length and a live flag; `plain_step`, and `catch_up_step` (a new
+request's draft depths over its prompt): pending position n and a live flag;
+`speculative_step`: the live flag only, as it reads each row's pending position n and each
 draft depth's first position to recompute from the device (`RowState.n_B`,
 `DrafterState.valid_JB`) and advances both itself, so the host can queue the next speculative
-step before it has read this one's result). It builds its chunk,
-runs the model, samples, writes the tokens it produced into `tokens_BN` and returns one fp64
-result row per row, so it has static shapes and no host sync: graphs.py replays it as one CUDA
-graph; eagerly it is the reference. Rows that hold no request (the padding of a graph's batch
-bucket; in a prefill, every row not being admitted) are not live: they read and write only
-the trash slot and their results are dropped.
+step before it has read this one's result). It builds its chunk, runs the model, samples,
+writes the tokens it produced into `tokens_BN` and returns one fp64 result row per row
+(catch-up: the positions depth 1 ran), so it has static shapes and no host sync: graphs.py
+replays it as one CUDA graph; eagerly it is the reference. Rows that hold no request (the
+padding of a graph's batch bucket; in a prefill, every row not being admitted) are not live:
+they read and write only the trash slot and their results are dropped.
 
 Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
 first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
@@ -38,7 +38,6 @@ from birkhoff.engine.forward import (
     Weights,
     chunk_at,
     decode_step,
-    draft_step,
     lm_head,
     main_forward,
     mtp_forward,
@@ -113,6 +112,27 @@ def prefill_step(
     return torch.stack((next_A.double(), logp_A.double()), dim=1)
 
 
+def depth_pass(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, k: int, pos_AT: Tensor, ok_AT: Tensor,
+    limit: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Draft depth k over cache positions `pos_AT` where `ok_AT` (the rest pads onto the trash
+    slot): reads h_{k-1} there, embeds t_{j+k} at position j, fills depth k's cache and, below
+    the last depth, stores h_k. Returns (h_k [A,T,S,D], lm_head input [A,T,D])."""
+    assert ctx.drafter is not None
+    positions_AT = torch.where(ok_AT, pos_AT, ctx.cache.trash)
+    chunk = chunk_at(rows_A, prefix, positions_AT, ok_AT, rope=ctx.rope, limit=limit)
+    # padding reads token slot 0 (ignored)
+    tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(ok_AT, pos_AT + k, 0)]
+    h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
+    h_ATSD, head_ATD = mtp_forward(
+        ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk
+    )
+    if k < ctx.num_drafts:
+        ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
+    return h_ATSD, head_ATD
+
+
 def catch_up_step(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
 ) -> Tensor:
@@ -120,21 +140,11 @@ def catch_up_step(
     depth k runs positions 0..n-k-1 (everything it can see from accepted tokens but its last
     k positions) as one chunk of T = limit positions, so a later step recomputes at most J + k.
     Returns [A, 1] fp64: the positions depth 1 ran."""
-    assert ctx.drafter is not None
-    n_A, live_A, trash = state_KA[0], state_KA[1].bool(), ctx.cache.trash
-    pos_T = torch.arange(limit, device=rows_A.device)
+    n_A, live_A = state_KA[0], state_KA[1].bool()
+    pos_1T = torch.arange(limit, device=rows_A.device)[None, :]
     for k in range(1, ctx.num_drafts + 1):
-        valid_AT = live_A[:, None] & (pos_T[None, :] < (n_A - k)[:, None])
-        positions_AT = torch.where(valid_AT, pos_T, trash)
-        chunk = chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=ctx.rope, limit=limit)
-        # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
-        tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(valid_AT, pos_T + k, 0)]
-        h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
-        h_ATSD, _ = mtp_forward(
-            ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk
-        )
-        if k < ctx.num_drafts:
-            ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
+        ok_AT = live_A[:, None] & (pos_1T < (n_A - k)[:, None])
+        depth_pass(ctx, rows_A, prefix, k, pos_1T, ok_AT, limit)
     return torch.where(live_A, n_A - 1, 0).clamp(min=0).double()[:, None]
 
 
@@ -154,17 +164,11 @@ def draft(
         T = ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
         pos_AT = start_A[:, None] + torch.arange(T, device=device)
         ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
-        positions_AT = torch.where(ok_AT, pos_AT, trash)
-        chunk = chunk_at(rows_A, prefix, positions_AT, ok_AT, rope=ctx.rope, limit=limit)
-        # depth k at position j embeds t_{j+k}; padding reads slot 0 (ignored)
-        tokens_AT = tokens_BN[rows_A[:, None], torch.where(ok_AT, pos_AT + k, 0)]
-        h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
+        _, head_ATD = depth_pass(ctx, rows_A, prefix, k, pos_AT, ok_AT, limit)
         last_A = (n_A - 1 - start_A).clamp(0, T - 1)  # the offset of position n-1
-        h_ATSD, logits_AV = draft_step(
-            ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk, last_A
+        logits_AV = lm_head(
+            head_ATD[torch.arange(len(rows_A), device=device), last_A], ctx.w, ctx.cfg
         )
-        if k < J:
-            ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
         _, q_AV = sample_logits(logits_AV, rs)
         draft_A = ctx.rows.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
         tokens_BN[rows_A, torch.where(live_A, n_A + k, trash)] = draft_A
