@@ -90,6 +90,35 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     check_hyper(Case(S=4, D=40, B=1, T=1, iters=3), "cpu", joint=True)
 
 
+def test_served_phi_needs_no_transposing_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """phi in the engine's served layout gives the same bits as a contiguous phi, and the
+    projection reads it in place (phi_pad_t never runs)."""
+    from birkhoff.kernels import mhc, mhc_triton
+
+    gen = torch.Generator().manual_seed(0)
+    S, D = 4, 40
+    x = torch.randn(2, 3, S, D, generator=gen)
+    phi, phi_c = (0.1 * torch.randn(P, S * D, generator=gen) for P in (S * S + 2 * S, S))
+    alpha, bias = torch.tensor([0.5, 0.7, 0.9]), 0.1 * torch.randn(S * S + 2 * S, generator=gen)
+    kw = dict(iters=3, norm_eps=1e-6, eps=1e-6)
+    ref = mhc.coefficients_and_mix_in(x, phi, alpha, bias, **kw)
+    ref_c = mhc.contract(x, phi_c, alpha[:1], bias[:S], norm_eps=1e-6, eps=1e-6)
+    served, served_c = mhc.served_phi(phi), mhc.served_phi(phi_c)
+    assert torch.equal(served, phi) and served.stride() == (1, 32) and served_c.stride() == (1, 16)
+
+    class NoLaunch:
+        def __getitem__(self, grid: object) -> None:
+            raise AssertionError("phi_pad_t launched for a served phi")
+
+    monkeypatch.setattr(mhc_triton, "phi_pad_t", NoLaunch())
+    got = mhc.coefficients_and_mix_in(x, served, alpha, bias, **kw)
+    got_c = mhc.contract(x, served_c, alpha[:1], bias[:S], norm_eps=1e-6, eps=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert torch.equal(got_c, ref_c)
+    with pytest.raises(AssertionError, match="phi_pad_t launched"):  # a plain phi still copies
+        mhc.contract(x, phi_c, alpha[:1], bias[:S], norm_eps=1e-6, eps=1e-6)
+
+
 def test_bf16_streams_match_eager() -> None:
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)

@@ -88,6 +88,10 @@ def check_engine_greedy(device: str, *, num_new: int = 8) -> None:
     for kernels in ("triton", "eager"):  # the engine's mHC ops, norms and rope all follow it
         model = build_model(tiny_config(mtp_depth=2, mhc_kernels=kernels), device)
         engine = Engine.from_model(model, device=device, dtype=torch.float32)
+        phis = [n for n in engine.committed if n.endswith(".phi")]
+        assert phis and all(torch.equal(engine.weights[n], engine.committed[n]) for n in phis)
+        # fused: phi served re-laid for the projection (no transposing launch per step)
+        assert all((engine.weights[n] is engine.committed[n]) == (kernels == "eager") for n in phis)
         plain = engine.generate(prompts, SamplingParams(num_new))
         spec = engine.generate(prompts, SamplingParams(num_new, num_speculative_tokens=2))
         tokens[kernels] = ([c.tokens for c in plain], [c.tokens for c in spec])

@@ -70,15 +70,15 @@ def _engine(quantize: str | None) -> None:  # the bucket size is the sender's bu
         assert report is not None and report.version == engine.weight_version == step + 1
         step_weights(reference, step)
         direct = Engine.from_model(copy.deepcopy(reference).to("cuda:1"), **kw)
-        for name, t in direct.weights.items():
-            got = engine.weights[name]
+        for name, t in direct.committed.items():
+            got = engine.committed[name]
             assert got.device == t.device and got.dtype == t.dtype, name
             assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
-    before = {n: t.clone() for n, t in engine.weights.items()}
+    before = {n: t.clone() for n, t in engine.committed.items()}
     with pytest.raises(RefitError):
         serve_refit(engine, src=0, engine_src=1)
     assert engine.weight_version == STEPS
-    assert all(torch.equal(engine.weights[n].view(torch.uint8), t.view(torch.uint8))
+    assert all(torch.equal(engine.committed[n].view(torch.uint8), t.view(torch.uint8))
                for n, t in before.items())  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from birkhoff.engine.rng import MAX_DRAFTS
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
+from birkhoff.kernels import use_fused
 from birkhoff.model.layers import rope_tables
 
 
@@ -88,6 +89,9 @@ class Engine:
         )
         self._manifest = build_manifest(cfg, dtype=dtype, quantize=quantize)
         self.weights: dict[str, Tensor] = {}  # nothing served before the first commit
+        self.committed: dict[str, Tensor] = {}  # the tensors as committed (weights reads them)
+        # per phi name, (committed tensor, the buffer serving it) for the last two commits
+        self._phi_buffers: dict[str, list[tuple[Tensor, Tensor]]] = {}
         self.weight_version = -1
         # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
         self.capacity = seq + spec + 1
@@ -123,9 +127,33 @@ class Engine:
         The one invariant asserted here is the cheap half (the names).
         """
         assert new.keys() == self._manifest.keys(), "committed names differ from the manifest"
-        self.weights = dict(new)  # one assignment: readers see the old or the new dict, never a mix
+        served = {n: self._serve(n, t) for n, t in new.items()}
+        self.weights = served  # one assignment: readers see the old or the new dict, never a mix
+        self.committed = dict(new)
         self.weight_version += 1
         return self.weight_version
+
+    def _serve(self, name: str, tensor: Tensor) -> Tensor:
+        """A committed tensor as the forward reads it: an mHC projection `phi`, when the fused
+        kernels run, in their padded, transposed layout (same values; no transposing launch per
+        sublayer and step); every other tensor as committed.
+
+        A refit commits the views of one of two alternating buffer banks, and a graph set is
+        keyed by the served addresses, so phi's buffer follows its bank: a tensor committed
+        before gets its buffer back, refreshed (not served since: the bank was not), and the
+        graphs captured on it stay valid."""
+        if not (name.endswith(".phi") and use_fused(tensor, self.cfg.mhc_kernels)):
+            return tensor
+        from birkhoff.kernels.mhc import served_phi
+
+        pairs = self._phi_buffers.setdefault(name, [])
+        for source, buffer in pairs:
+            if source is tensor and self.weights.get(name) is not buffer:
+                buffer.copy_(tensor)
+                return buffer
+        buffer = served_phi(tensor)
+        pairs[:] = [*pairs[-1:], (tensor, buffer)]
+        return buffer
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]

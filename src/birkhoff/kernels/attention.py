@@ -25,6 +25,7 @@ from birkhoff.kernels.ops import INTERPRET
 SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
 BN = 64  # keys per block inside a program
 MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
+NUM_WARPS = 2  # H200 sweep (docs/results.md): 2 warps beat 4 at every decode shape timed
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
@@ -68,7 +69,7 @@ def decode_attention(
             SPLIT=SPLIT, BM=max(16, pow2(T * R)), BN=BN, BK=BK, BT=max(2, pow2(T)),
             DIRECT=direct, PRECISION="ieee" if q_ATHK.dtype == torch.float32 else "tf32",
             DOT_FP32=INTERPRET,
-            num_warps=4,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         if not direct:
             AT.decode_attention_combine[(A * T * H,)](

@@ -31,16 +31,12 @@ Design choices:
   `torch.autograd.Function` around the op: a custom op's outputs may not alias its inputs);
   the mix out that reads it sends its g_x to that node, and grad_x adds it too, so x's gradient
   from a whole sublayer is one kernel's write, with no autograd add.
-- Launch parameters live in `mhc_configs.CONFIG` (per kernel: tile sizes, num_warps,
-  num_stages), read at every call; `benchmarks/mhc_sweep.py` times the variants on an H200
-  and prints the fastest table. No `triton.autotune`:
-  its first call benchmarks (syncs) inside whatever runs it (a CUDA-graph capture, a compiled
-  region), and a fixed table keeps runs reproducible.
+- Launch parameters: `mhc_configs.CONFIG`, read at every call (no `triton.autotune`, whose
+  first call syncs inside a graph capture or compiled region).
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32
   and cast once to the output dtype (mix_in: the dtype of x; mix_out: promote(x, f)).
-- Inputs are made contiguous (a no-op for the trainer's streams; the expanded embedding is
-  copied once). fp64 inputs are rejected: the kernels compute in fp32; use the eager path.
-- On CPU the kernels run only under the Triton interpreter (TRITON_INTERPRET=1, tests).
+- Inputs are made contiguous, except a phi in `served_phi`'s layout (the engine's). fp64 is
+  rejected (the kernels compute in fp32). On CPU they run only under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -65,7 +61,7 @@ from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
     "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
-    "contraction_weights", "mhc_coefficients", "mix_in", "mix_out",
+    "contraction_weights", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
 ]  # fmt: skip
 
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
@@ -97,12 +93,10 @@ def _token_block(cfg: Launch, N: int) -> int:
 
 
 def _tail_block(cfg: Launch, N: int, SP: int) -> int:
-    """coeff_tail's tokens per program: CONFIG's BN for training's many tokens, fewer for
-    decode's, down to one (the tail has no tl.dot, so no 16-row floor), so that a decode call
-    still gets about TAIL_PROGRAMS programs, each loading its projection partials in one round
-    (TAIL_ELEMENTS // (BN * PP) splits per load) and running the serial Sinkhorn chain on a
-    small tile with fewer warps (a warp's shuffles, not a block's barriers). At BN = 1 the tail
-    of a batch-1 decode step went from 12.5 to 4.6 us on the H200 (docs/results.md)."""
+    """coeff_tail's tokens per program: CONFIG's BN for training, down to one for decode (no
+    tl.dot, no 16-row floor), so a decode call still gets ~TAIL_PROGRAMS programs, each loading
+    its partials in one round (TAIL_ELEMENTS // (BN * PP) splits a load) and running the serial
+    Sinkhorn chain with fewer warps (12.5 -> 4.6 us at batch 1 on the H200)."""
     bn = min(int(cfg["BN"]), pow2(cdiv(N, TAIL_PROGRAMS)))
     cfg["BN"], cfg["num_warps"] = bn, max(1, min(int(cfg["num_warps"]), bn * SP * SP // 128))
     return bn
@@ -131,9 +125,31 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
     return part, sq, splits
 
 
+def served_phi(phi_PC: Tensor) -> Tensor:
+    """phi [P, C] with the same values, as a view of a zero-padded [C, PP] fp32 buffer: the
+    layout the fused projection reads, so a call with it launches no transposing copy. The
+    engine serves its committed phi tensors this way (built once per commit, so CUDA graphs
+    read it like any other weight)."""
+    P, C = phi_PC.shape
+    buf_CP = phi_PC.new_zeros((C, _pads(1, P)[1]), dtype=torch.float32)
+    buf_CP[:, :P].copy_(phi_PC.t())
+    return buf_CP[:, :P].t()
+
+
+def _is_served(phi_PC: Tensor) -> bool:
+    """Whether phi is `served_phi`'s layout: fp32, stride (1, PP), its [C, PP] rows in storage
+    (the padded columns' values never matter: only the first P projection columns are read)."""
+    C, PP = phi_PC.shape[1], _pads(1, phi_PC.shape[0])[1]
+    fits = (phi_PC.storage_offset() + C * PP) * 4 <= phi_PC.untyped_storage().nbytes()
+    return phi_PC.dtype == torch.float32 and phi_PC.stride() == (1, PP) and fits
+
+
 def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
-    """phi transposed and zero-padded to [C, PP] in fp32 (coalesced, unmasked kernel loads)."""
+    """phi transposed and zero-padded to [C, PP] in fp32 (coalesced, unmasked kernel loads):
+    a view when phi comes in `served_phi`'s layout, else one launch."""
     (P, C), BC = phi_PC.shape, 64
+    if _is_served(phi_PC):
+        return phi_PC.as_strided((C, PP), (PP, 1))
     phit_CP = phi_PC.new_empty((C, PP), dtype=torch.float32)
     traceable(K.phi_pad_t)[(cdiv(C, BC),)](phi_PC.contiguous(), phit_CP, P, C, PP=PP, BC=BC)
     return phit_CP
@@ -320,12 +336,12 @@ class _CoefficientsMixInStreams(torch.autograd.Function):
 def _op_inputs(
     x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The coefficient op's tensor inputs as its kernels read them: checked, contiguous, alpha
-    and bias in fp32."""
+    """The coefficient op's tensor inputs as its kernels read them: checked, contiguous (phi
+    also in `served_phi`'s layout), alpha and bias in fp32."""
     check_inputs(x_BTSD, phi_PC)
     return (
-        x_BTSD.contiguous(), phi_PC.contiguous(), alpha.float().contiguous(),
-        bias_P.float().contiguous(),
+        x_BTSD.contiguous(), phi_PC if _is_served(phi_PC) else phi_PC.contiguous(),
+        alpha.float().contiguous(), bias_P.float().contiguous(),
     )  # fmt: skip
 
 

@@ -63,7 +63,7 @@ def _serves(engine: Engine, bank: Bank) -> bool:
     for entries, views in zip(bank.layout.buckets, bank.views, strict=True):
         for entry, view in zip(entries.entries, views, strict=True):
             if view is not None:
-                return engine.weights.get(entry.name) is view
+                return engine.committed.get(entry.name) is view
     return False  # a bank of chunks only: served tensors are staging copies, never bank memory
 
 
