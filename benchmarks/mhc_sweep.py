@@ -15,7 +15,7 @@ The summary names, per CONFIG key, the variant with the smallest summed time ove
 prints the CONFIG that results; copy it into mhc_configs.py.
 
   python benchmarks/mhc_sweep.py                    # ~2 minutes on an H200
-  python benchmarks/mhc_sweep.py --dtype fp32       # the "_fp32" entries are not swept
+  python benchmarks/mhc_sweep.py --dtype fp32       # the "_fp32" entries and the shared ones
   TRITON_INTERPRET=1 python benchmarks/mhc_sweep.py --device cpu --batch 1 --seq 8 --dim 16 \
       --repeats 1 --out /tmp/sweep.json            # smoke test of the script itself
 """
@@ -51,6 +51,8 @@ OPS_OF_KEY = {  # CONFIG key -> (op, backward) pairs whose time it changes
     "coeff_bwd": [("coefficients", True)],
     "grad_x": [("coefficients", True)],
     "grad_phi": [("coefficients", True)],
+    "coeff_proj_fp32": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
+    "grad_phi_fp32": [("coefficients", True)],
     "mix": [("mix_in", False), ("mix_in", True), ("mix_out", False), ("mix_out", True)],
 }
 SUBLAYER = [("sublayer", False), ("sublayer", True)]
@@ -119,6 +121,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                  diff=0.0)]  # fmt: skip
     for variant, override in mhc_configs.SWEEP.items():
         (key,) = override
+        if args.only and not any(part in variant for part in args.only.split(",")):
+            continue
+        fp32 = args.dtype == "fp32"
+        if key.endswith("_fp32") != fp32 and not (fp32 and f"{key}_fp32" not in default):
+            continue  # the entry is not launched at this dtype
         mhc_configs.CONFIG.update(override)
         try:
             ops = sorted({n for n, _ in OPS_OF_KEY[key]} | {"sublayer"})
@@ -142,6 +149,8 @@ def best_config(rows: list[dict[str, Any]], default: dict[str, Any]) -> dict[str
     best: dict[str, Any] = {}
     base = rows[0]["ms"]
     for key, pairs in OPS_OF_KEY.items():
+        if not any(r["key"] == key for r in rows[1:]):
+            continue
         ops = [f"{n} {'fwd+bwd' if b else 'fwd'}" for n, b in pairs]
         choices = [("default", sum(base[o] for o in ops))] + [
             (r["variant"], sum(r["ms"][o] for o in ops)) for r in rows[1:] if r["key"] == key
@@ -175,6 +184,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="cpu: a smoke test under TRITON_INTERPRET=1 with tiny shapes",
     )
     add_shape_args(p)
+    p.add_argument("--only", default="", help="comma list: sweep variants whose name has one")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -97,7 +97,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         const, launch = split(mhc._launch("grad_x", x, S))
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
-                K.grad_x, types, dict(P=P, MIX=mix, RES=res) | const, launch
+                K.grad_x, types, dict(P=P, PP=PP, MIX=mix, RES=res) | const, launch
             )
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16") | const
@@ -137,4 +137,4 @@ def test_sweep_variants_compile_for_sm90_without_spills(
 
     for key, entry in mhc_configs.SWEEP[variant].items():
         monkeypatch.setitem(mhc_configs.CONFIG, key, entry)
-    assert_no_spills(kernel_usage(4, "bf16"))
+    assert_no_spills(kernel_usage(4, "fp32" if variant.split("/")[0].endswith("_fp32") else "bf16"))

@@ -243,7 +243,7 @@ def _coefficients_bwd_impl(
     phi_f32 = phi_PC.float().contiguous()
     traceable(K.grad_x)[grid](
         g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
-        N, C, D, S, P=P, MIX=mix, RES=res, **cfg,
+        N, C, D, S, P=P, PP=PP, MIX=mix, RES=res, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_phi", x_BTSD, S)
     tokens = int(cfg.pop("TOKENS"))

@@ -26,7 +26,7 @@ CONFIG: dict[str, Launch] = {
     "coeff_proj_fp32": dict(BN=32, BC=32, num_warps=4, num_stages=2, PREC="ieee", PROGRAMS=528),
     "coeff_tail": dict(BN=32, num_warps=4),
     "coeff_bwd": dict(BN=16, num_warps=2),
-    "grad_x": dict(BN=16, BC=256, num_warps=4),
+    "grad_x": dict(BN=16, BC=256, num_warps=4, PREC="fma"),
     "grad_phi": dict(BN=64, BC=128, TOKENS=512, num_warps=8, num_stages=3, PREC="tf32x3"),
     "grad_phi_fp32": dict(BN=32, BC=64, TOKENS=512, num_warps=4, num_stages=2, PREC="ieee"),
     "mix": dict(BN=8, BD=128, num_warps=4),
@@ -44,9 +44,20 @@ SWEEP: dict[str, dict[str, Launch]] = {
     "coeff_tail/BN64-w4": {"coeff_tail": dict(BN=64, num_warps=4)},
     "coeff_bwd/BN32-w4": {"coeff_bwd": dict(BN=32, num_warps=4)},
     "coeff_bwd/BN16-w1": {"coeff_bwd": dict(BN=16, num_warps=1)},
-    "grad_x/BN8-BC512": {"grad_x": dict(BN=8, BC=512, num_warps=4)},
-    "grad_x/BN32-BC128": {"grad_x": dict(BN=32, BC=128, num_warps=4)},
-    "grad_x/BN16-BC256-w8": {"grad_x": dict(BN=16, BC=256, num_warps=8)},
+    "grad_x/BN8-BC512": {"grad_x": dict(CONFIG["grad_x"], BN=8, BC=512)},
+    "grad_x/BN32-BC128": {"grad_x": dict(CONFIG["grad_x"], BN=32, BC=128)},
+    "grad_x/BN16-BC256-w8": {"grad_x": dict(CONFIG["grad_x"], num_warps=8)},
+    "grad_x/tf32x3-w8": {"grad_x": dict(CONFIG["grad_x"], PREC="tf32x3", num_warps=8)},
+    "grad_x/tf32x3-BN32-BC128-w8": {
+        "grad_x": dict(CONFIG["grad_x"], BN=32, BC=128, PREC="tf32x3", num_warps=8)
+    },
+    "grad_x/tf32x3-BN16-BC128": {"grad_x": dict(CONFIG["grad_x"], BC=128, PREC="tf32x3")},
+    "coeff_proj_fp32/tf32x3": {"coeff_proj_fp32": dict(CONFIG["coeff_proj_fp32"], PREC="tf32x3")},
+    "coeff_proj_fp32/tf32x3-BN64-BC64": {
+        "coeff_proj_fp32": dict(CONFIG["coeff_proj"], num_stages=2)
+    },
+    "grad_phi_fp32/tf32x3": {"grad_phi_fp32": dict(CONFIG["grad_phi_fp32"], PREC="tf32x3")},
+    "grad_phi_fp32/tf32x3-BN64-BC128": {"grad_phi_fp32": dict(CONFIG["grad_phi"], num_stages=2)},
     "grad_phi/BN32-BC128-w4": {"grad_phi": dict(CONFIG["grad_phi"], BN=32, num_warps=4)},
     "grad_phi/BC64-w4": {"grad_phi": dict(CONFIG["grad_phi"], BC=64, num_warps=4)},
     "grad_phi/TOKENS1024": {"grad_phi": dict(CONFIG["grad_phi"], TOKENS=1024)},

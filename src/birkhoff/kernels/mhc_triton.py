@@ -243,12 +243,14 @@ def coeff_bwd(
 @triton.jit
 def grad_x(
     graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S,
-    P: tl.constexpr, MIX: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
+    RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
     column c is stream j = c // D; + g_r, the streams' gradient from the residual path of mix
     out, when RES) over a [BN, BC] tile, written once in the dtype of x. The product has only P
-    terms: exact fp32 FMAs, no tensor cores."""
+    terms: PREC "fma" runs them as exact fp32 FMAs, one term a loop step; otherwise one
+    [BN, PP] x [PP, BC] tensor-core dot of that precision ("tf32x3": ~fp32)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     n_ok = n < N
@@ -259,9 +261,18 @@ def grad_x(
     g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if RES:
         g += tl.load(gr_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
-        g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
-        g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c < C, other=0.0)[None, :]
+    if PREC == "fma":
+        for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
+            g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
+            g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c < C, other=0.0)[None, :]
+    else:
+        q = tl.arange(0, PP)
+        q_ok = q < P
+        g_raw = tl.load(graw_ptr + n64[:, None] * P + q[None, :],
+                        mask=n_ok[:, None] & q_ok[None, :], other=0.0)  # fmt: skip
+        phi = tl.load(phi_ptr + q[:, None] * C + c[None, :],
+                      mask=q_ok[:, None] & (c < C)[None, :], other=0.0)  # fmt: skip
+        g = tl.dot(g_raw, phi, g, input_precision=PREC)
     if MIX:
         h = tl.load(h_ptr + n64[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
         gy = tl.load(gy_ptr + n64[:, None] * D + (c % D)[None, :], mask=ok, other=0.0)
