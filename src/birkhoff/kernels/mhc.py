@@ -126,10 +126,8 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
 
 
 def served_phi(phi_PC: Tensor) -> Tensor:
-    """phi [P, C] with the same values, as a view of a zero-padded [C, PP] fp32 buffer: the
-    layout the fused projection reads, so a call with it launches no transposing copy. The
-    engine serves its committed phi tensors this way (built once per commit, so CUDA graphs
-    read it like any other weight)."""
+    """phi [P, C] (same values) as a view of a zero-padded [C, PP] fp32 buffer: the layout the
+    fused projection reads, so a call with it launches no transposing copy (the engine's)."""
     P, C = phi_PC.shape
     buf_CP = phi_PC.new_zeros((C, _pads(1, P)[1]), dtype=torch.float32)
     buf_CP[:, :P].copy_(phi_PC.t())
@@ -138,10 +136,13 @@ def served_phi(phi_PC: Tensor) -> Tensor:
 
 def _is_served(phi_PC: Tensor) -> bool:
     """Whether phi is `served_phi`'s layout: fp32, stride (1, PP), its [C, PP] rows in storage
-    (the padded columns' values never matter: only the first P projection columns are read)."""
+    (the pad's values never matter: only P projection columns are read). Never when compiling:
+    dynamo cannot trace storage queries (and compiled code holds no served phi)."""
+    if torch.compiler.is_compiling() or phi_PC.dtype != torch.float32:
+        return False
     C, PP = phi_PC.shape[1], _pads(1, phi_PC.shape[0])[1]
     fits = (phi_PC.storage_offset() + C * PP) * 4 <= phi_PC.untyped_storage().nbytes()
-    return phi_PC.dtype == torch.float32 and phi_PC.stride() == (1, PP) and fits
+    return phi_PC.stride() == (1, PP) and fits
 
 
 def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
