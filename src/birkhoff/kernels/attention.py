@@ -23,9 +23,10 @@ from birkhoff.kernels.mhc_mix import check_inputs, pow2
 from birkhoff.kernels.ops import INTERPRET
 
 SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
-BN = 64  # keys per block inside a program
 MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
-NUM_WARPS = 2  # H200 sweep (docs/results.md): 2 warps beat 4 at every decode shape timed
+# BN keys per block inside a program, and the launch; read at every call, so
+# benchmarks/decode_attention.py can sweep it (H200: 2 warps beat 4 at every decode shape timed)
+CONFIG = dict(BN=64, num_warps=2, num_stages=3)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
@@ -66,10 +67,9 @@ def decode_attention(
             q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
             k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
             v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            SPLIT=SPLIT, BM=max(16, pow2(T * R)), BN=BN, BK=BK, BT=max(2, pow2(T)),
+            SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
             DIRECT=direct, PRECISION="ieee" if q_ATHK.dtype == torch.float32 else "tf32",
-            DOT_FP32=INTERPRET,
-            num_warps=NUM_WARPS,
+            DOT_FP32=INTERPRET, **CONFIG,
         )  # fmt: skip
         if not direct:
             AT.decode_attention_combine[(A * T * H,)](

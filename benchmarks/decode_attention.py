@@ -1,0 +1,151 @@
+"""Launch-parameter sweep of the engine's decode attention (`birkhoff::decode_attention`).
+
+Legend: A rows, T query tokens per row (1: a plain decode step), H = G heads (h200-small: 12 of
+64 dims), N cache positions, ctx the live prefix each row attends over.
+
+For each shape and each variant of `kernels.attention.CONFIG` (keys per block BN, num_warps,
+num_stages) and of the split size SPLIT, times --calls back-to-back calls of the op captured in
+one CUDA graph (device time only: a decode step replays it from a graph too; timing the Python
+launches instead measures the host at small shapes), checks the output against the default's,
+and reports the live K/V bytes per second against a device copy measured in the same run.
+Prints a table of the default and the fastest variants per shape, then a JSON line.
+
+  python benchmarks/decode_attention.py                  # ~1 minute on an H200
+  TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --shapes 2:20 \
+      --heads 2 --bn 16 --warps 1 --stages 1 --splits 256 --calls 1 --out /tmp/attn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import json_args
+from mhc_kernels import RESULTS, copy_bandwidth
+
+from birkhoff.kernels import attention
+
+
+def device_seconds(fn: Callable[[], Any], calls: int, device: str) -> float:
+    """Seconds per call of `fn`: `calls` calls in one CUDA graph, replayed (CPU: plain calls)."""
+    fn()  # compiles the variant
+    if device == "cpu":
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (3 * calls)
+
+
+def shape_inputs(A: int, ctx: int, heads: int, device: str) -> dict[str, Any]:
+    N, K = max(128, 1 << (ctx - 1).bit_length()), 64
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(A, heads, N, K, generator=g, device=device, dtype=dt)
+    return dict(
+        q_ATHK=torch.randn(A, 1, heads, K, generator=g, device=device, dtype=dt), k_BGNK=k,
+        v_BGNK=torch.randn(k.shape, generator=g, device=device, dtype=dt),
+        rows_A=torch.arange(A, device=device, dtype=torch.int32),
+        positions_AT=torch.full((A, 1), ctx - 1, device=device, dtype=torch.int64),
+        valid_AT=torch.ones((A, 1), device=device, dtype=torch.bool), limit=N,
+    )  # fmt: skip
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    copy = copy_bandwidth(args.device, 10)
+    default = dict(attention.CONFIG), attention.SPLIT
+    variants = [(dict(BN=bn, num_warps=w, num_stages=st), split) for split, bn, w, st in
+                itertools.product(args.splits, args.bn, args.warps, args.stages)]  # fmt: skip
+    rows = []
+    for shape in args.shapes.split(","):
+        A, ctx = (int(v) for v in shape.split(":"))
+        inp = shape_inputs(A, ctx, args.heads, args.device)
+        live_bytes = 2 * A * args.heads * ctx * 64 * inp["k_BGNK"].element_size()
+        ref = attention.decode_attention(**inp)
+        for config, split in [default, *variants]:
+            attention.CONFIG.clear()
+            attention.CONFIG.update(config)
+            attention.SPLIT = split
+            try:
+                seconds = device_seconds(lambda: attention.decode_attention(**inp), args.calls,
+                                         args.device)  # fmt: skip
+                diff = (attention.decode_attention(**inp).float() - ref.float()).abs().max().item()
+            finally:
+                attention.CONFIG.clear()
+                attention.CONFIG.update(default[0])
+                attention.SPLIT = default[1]
+            rows.append(dict(A=A, ctx=ctx, split=split, **config, us=seconds * 1e6, diff=diff,
+                             of_copy=live_bytes / seconds / copy,
+                             default=(config, split) == default))  # fmt: skip
+    return dict(copy_gb_s=copy / 1e9, default=dict(default[0], SPLIT=default[1]), rows=rows)
+
+
+def print_sweep(result: dict[str, Any], top: int) -> None:
+    print(f"device copy {result['copy_gb_s']:.0f} GB/s; default {result['default']}")
+    shapes = sorted({(r["A"], r["ctx"]) for r in result["rows"]})
+    for A, ctx in shapes:
+        rows = [r for r in result["rows"] if (r["A"], r["ctx"]) == (A, ctx)]
+        base = next(r for r in rows if r["default"])
+        print(f"\nA {A} ctx {ctx}: default {base['us']:.1f} us ({base['of_copy']:.2f} of copy)")
+        for r in sorted(rows, key=lambda r: r["us"])[:top]:
+            print(f"  split {r['split']:4} BN {r['BN']:4} warps {r['num_warps']} stages "
+                  f"{r['num_stages']}: {r['us']:8.1f} us  {r['of_copy']:.2f} of copy  "
+                  f"x{base['us'] / r['us']:.2f}  diff {r['diff']:.1e}")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--shapes", default="1:88,64:88,256:88,256:400,64:2000", help="A:ctx,...")
+    p.add_argument("--heads", type=int, default=12)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    p.add_argument("--bn", type=ints, default=[32, 64, 128])
+    p.add_argument("--warps", type=ints, default=[1, 2, 4])
+    p.add_argument("--stages", type=ints, default=[2, 3])
+    p.add_argument("--splits", type=ints, default=[256, 512])
+    p.add_argument("--calls", type=int, default=20, help="op calls per timed CUDA graph")
+    p.add_argument("--top", type=int, default=6)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available")
+    result = sweep(args)
+    print_sweep(result, args.top)
+    result["args"] = json_args(args)
+    out = args.out or RESULTS / f"decode_attention-{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    best = {f"{r['A']}:{r['ctx']}": r for r in result["rows"]}
+    for r in result["rows"]:
+        key = f"{r['A']}:{r['ctx']}"
+        best[key] = min(best[key], r, key=lambda x: x["us"])
+    print(json.dumps({k: round(v["us"], 1) for k, v in best.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
