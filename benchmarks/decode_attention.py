@@ -18,6 +18,7 @@ Prints a table of the default and the fastest variants per shape, then a JSON li
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -86,14 +87,14 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         inp = shape_inputs(A, ctx, args.heads, args.device)
         live_bytes = 2 * A * args.heads * ctx * 64 * inp["k_BGNK"].element_size()
         ref = attention.decode_attention(**inp)
+        call = functools.partial(attention.decode_attention, **inp)
         for config, split in [default, *variants]:
             attention.CONFIG.clear()
             attention.CONFIG.update(config)
             attention.SPLIT = split
             try:
-                seconds = device_seconds(lambda: attention.decode_attention(**inp), args.calls,
-                                         args.device)  # fmt: skip
-                diff = (attention.decode_attention(**inp).float() - ref.float()).abs().max().item()
+                seconds = device_seconds(call, args.calls, args.device)
+                diff = (call().float() - ref.float()).abs().max().item()
             finally:
                 attention.CONFIG.clear()
                 attention.CONFIG.update(default[0])
