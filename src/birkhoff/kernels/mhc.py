@@ -128,10 +128,8 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
 def served_phi(phi_PC: Tensor) -> Tensor:
     """phi [P, C] (same values) as a view of a zero-padded [C, PP] fp32 buffer: the layout the
     fused projection reads, so a call with it launches no transposing copy (the engine's)."""
-    P, C = phi_PC.shape
-    buf_CP = phi_PC.new_zeros((C, _pads(1, P)[1]), dtype=torch.float32)
-    buf_CP[:, :P].copy_(phi_PC.t())
-    return buf_CP[:, :P].t()
+    (P, C), PP = phi_PC.shape, _pads(1, phi_PC.shape[0])[1]
+    return phi_PC.new_zeros((C, PP), dtype=torch.float32)[:, :P].copy_(phi_PC.t()).t()
 
 
 def _is_served(phi_PC: Tensor) -> bool:
