@@ -48,7 +48,7 @@ from birkhoff.model import Transformer
 from birkhoff.model.moe import moe_layers
 from birkhoff.presets import h200_small
 from birkhoff.train import TrainConfig, forward_context
-from birkhoff.train.recompute import apply_recompute
+from birkhoff.train.recompute import apply_recompute, compile_blocks
 
 VARIANTS = ((1, 0), (4, 0), (1, 1), (4, 1))  # (S, M)
 H200_BF16_PEAK = 790e12
@@ -81,7 +81,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--moe", action="store_true", help="MoE vs dense of equal active parameters")
     p.add_argument("--experts", type=int, default=None, help="routed experts (32; quick: 4)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.compile and args.recompute == "full":
+        p.error("--compile with --recompute full is not supported (TrainConfig.compile)")
+    return args
 
 
 def sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -175,9 +178,8 @@ def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Nam
     model = Transformer(same_active_moe(cfg, experts) if moe else cfg).to(device)
     if args.recompute == "full":  # every block and MTP depth, safe reclaim
         apply_recompute(model, reclaim="safe")
-    if args.compile:  # identical blocks share one compiled graph (parameters are graph inputs)
-        for block in [*model.layers, *(depth.block for depth in model.mtp)]:
-            block.compile()
+    if args.compile:
+        compile_blocks(model)
     gen = torch.Generator().manual_seed(0)
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), generator=gen)
     seconds, peak = time_variant(model, ids_BT.to(device), args, size["iters"])

@@ -75,7 +75,9 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
 
     grad_phi = dict(mhc.CONFIG["grad_phi"], BN=16, TOKENS=16)  # 34 tokens: three g_phi blocks
     monkeypatch.setitem(mhc.CONFIG, "grad_phi", grad_phi)
-    monkeypatch.setitem(mhc.CONFIG, "grad_x", dict(BN=16, BC=32, num_warps=4))  # 3 x 5 tiles
+    monkeypatch.setitem(
+        mhc.CONFIG, "grad_x", dict(mhc.CONFIG["grad_x"], BN=16, BC=32)
+    )  # 3 x 5 tiles
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks

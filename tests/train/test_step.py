@@ -172,3 +172,35 @@ def test_bf16_step_on_cuda_lowers_loss_and_keeps_fp32_master_weights():
     assert history[-1]["main_loss"] < 0.6 * history[0]["main_loss"]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(h["skipped"] == 0.0 for h in history)
+
+
+def test_compiled_blocks_train_like_eager_ones(monkeypatch):
+    """TrainConfig.compile: every block and MTP block compiled, same losses and parameters as
+    the eager model over a few steps. Dynamo and AOT autograd trace forward and backward here;
+    the aot_eager backend skips inductor's codegen (a minute on 2 cores); benchmarks/train_step.py
+    --compile runs the same function with inductor on the GPU (docs/results.md)."""
+    from birkhoff.train.recompute import build_model
+
+    compile_module = torch.nn.Module.compile
+
+    def compile_aot_eager(self, **kw):
+        compile_module(self, backend="aot_eager", **kw)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_aot_eager)
+    batch = addition_batch()
+    results = {}
+    for compiled in (False, True):
+        cfg = TrainConfig(lr=1e-3, warmup_steps=0, compile=compiled)
+        torch.manual_seed(0)
+        model = build_model(tiny_model().cfg, cfg, device=torch.device("cpu"))
+        assert all((b._compiled_call_impl is not None) == compiled for b in model.layers)
+        opt = build_optimizer(model, cfg)
+        losses = [train_step(model, opt, batch, cfg, step=s)["loss"] for s in range(3)]
+        results[compiled] = losses, [p.detach().clone() for p in model.parameters()]
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_with_recompute_is_refused():
+    with pytest.raises(ValueError, match="compile"):
+        TrainConfig(compile=True, recompute="full")

@@ -37,6 +37,7 @@ class TrainConfig:
     log_every: int = 10
     recompute: RecomputeMode = "none"  # "full": every block and MTP depth (apply_recompute)
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
+    compile: bool = False  # torch.compile every block and MTP block (train/recompute.py)
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -58,6 +59,9 @@ class TrainConfig:
         check(isinstance(self.seed, int), "seed", self.seed, "must be an int")
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
         check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
+        check(isinstance(self.compile, bool), "compile", self.compile, "must be a bool")
+        check(not (self.compile and self.recompute == "full"), "compile", self.compile,
+              "compiling recomputed blocks is not supported: use recompute='none'")  # fmt: skip
         rc = self.reclaim
         check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
 

@@ -1,4 +1,5 @@
-"""Activation recompute applied to a plain model from outside, as torchtitan applies it.
+"""Activation recompute (and per-block compile) applied to a plain model from outside, as
+torchtitan applies them.
 
 `apply_recompute(model, reclaim=...)` makes every block and every MTP depth (its merge and block
 as one unit) run under `birkhoff.recompute.checkpoint`: only the unit's inputs are kept for
@@ -17,7 +18,12 @@ Design choices:
 - `apply_checkpoint` takes any checkpoint function with the signature
   `checkpoint_fn(fn, *args, name=...)`; benchmarks use it to put `torch.utils.checkpoint` on the
   same units.
-Left out: selective (per-op) recompute, recomputing only every n-th block.
+- `compile_blocks` runs `torch.compile` on every block and MTP block (`TrainConfig.compile`):
+  identical blocks share one compiled graph (parameters are graph inputs), and the fused mHC
+  ops are `triton_op`s, so inductor launches their kernels without a graph break. Not together
+  with recompute (the checkpointed forward's saved-tensor hooks are not traced).
+Left out: selective (per-op) recompute, recomputing only every n-th block, compile with
+recompute.
 """
 
 from __future__ import annotations
@@ -68,9 +74,18 @@ def apply_recompute(model: Transformer, *, reclaim: ReclaimMode = "safe") -> Tra
     return apply_checkpoint(model, functools.partial(checkpoint, reclaim=reclaim))
 
 
+def compile_blocks(model: Transformer) -> Transformer:
+    """`torch.compile` every block and every MTP depth's block, in place; returns `model`."""
+    for block in [*model.layers, *(depth.block for depth in model.mtp)]:
+        block.compile()
+    return model
+
+
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, *, device: torch.device) -> Transformer:
-    """A freshly initialised model on `device`, recompute applied as `cfg` says."""
+    """A freshly initialised model on `device`, recompute or compile applied as `cfg` says."""
     model = Transformer(model_cfg).to(device)
     if cfg.recompute == "full":
         apply_recompute(model, reclaim=cfg.reclaim)
+    if cfg.compile:
+        compile_blocks(model)
     return model
