@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: device sync and timing, model-size flags, per-device sizes,
-and how a result JSON records paths.
+"""What the benchmark scripts share: device sync and timing (also of CUDA-graph replays),
+model-size flags, per-device sizes, and how a result JSON records paths.
 
 Scripts run as `python benchmarks/<name>.py`, so this module is importable as `common`.
 """
@@ -38,6 +38,32 @@ def timed(fn: Callable[[], Any], device: str | torch.device, repeats: int, *, wa
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def graph_seconds(fn: Callable[[], Any], calls: int, *, replays: int = 3) -> float:
+    """Device seconds per call of `fn` on CUDA: `calls` calls captured in one CUDA graph (after
+    one warm-up call on a side stream), replayed `replays` times between two events. Unlike
+    timing Python-launched calls, the host's launch cost does not enter: what a step replayed
+    from a graph (the engine's) or an inductor-compiled step sees. Raises whatever the capture
+    raises (an op that syncs, a CPU tensor)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import json_args
+from common import graph_seconds, json_args
 from mhc_kernels import RESULTS, copy_bandwidth
 
 from birkhoff.kernels import attention
@@ -37,29 +37,12 @@ from birkhoff.kernels import attention
 def device_seconds(fn: Callable[[], Any], calls: int, device: str) -> float:
     """Seconds per call of `fn`: `calls` calls in one CUDA graph, replayed (CPU: plain calls)."""
     fn()  # compiles the variant
-    if device == "cpu":
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    if device == "cuda":
+        return graph_seconds(fn, calls)
+    start = time.perf_counter()
+    for _ in range(calls):
         fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (3 * calls)
+    return (time.perf_counter() - start) / calls
 
 
 def shape_inputs(A: int, ctx: int, heads: int, device: str) -> dict[str, Any]:

@@ -5,12 +5,14 @@ Legend: B batch, T tokens, S streams, D model dim.
 For the default `birkhoff.kernels.mhc_configs.CONFIG` and then each variant of `SWEEP` (one
 CONFIG entry replaced at a time), times the fused ops that the replaced entry launches, forward
 and forward + backward, at the h200-small shape (B 8, T 2048, S 4, D 768, bf16 by default).
-Each figure is the mean of --repeats back-to-back calls between two CUDA events (launches
-overlap the previous call's kernels, as in a train step), after a warm-up that also compiles
-the variant. "of copy" sets the op's compulsory traffic per second against a device-to-device
-copy measured in the same run. Every variant's outputs and gradients are checked against the
-default's (max |difference| relative to max |default|, printed; ~1e-7 expected: the variants
-change tiles and launch shapes, "tf32" variants change the dot precision, ~1e-3).
+Each figure is the mean of --repeats calls captured in one CUDA graph and replayed between two
+CUDA events (device time only; `--timing launch`: Python-launched calls back to back, which at
+these sizes moved ops a variant does not touch by up to +-50%), after a warm-up that also
+compiles the variant. "of copy" sets the op's compulsory traffic per second against a
+device-to-device copy measured in the same run. Every variant's outputs and gradients are
+checked against the default's (max |difference| relative to max |default|, printed; ~1e-7
+expected: the variants change tiles and launch shapes, "tf32" variants change the dot
+precision, ~1e-3).
 The summary names, per CONFIG key, the variant with the smallest summed time over its ops, and
 prints the CONFIG that results; copy it into mhc_configs.py.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import json_args
+from common import graph_seconds, json_args
 from mhc_kernels import (
     RESULTS,
     add_shape_args,
@@ -58,10 +60,20 @@ OPS_OF_KEY = {  # CONFIG key -> (op, backward) pairs whose time it changes
 SUBLAYER = [("sublayer", False), ("sublayer", True)]
 
 
-def back_to_back(step: Callable[[], Any], repeats: int) -> float:
-    """Mean seconds per call of `repeats` calls queued back to back (after 3 warm-up calls)."""
+def back_to_back(step: Callable[[], Any], repeats: int, timing: str = "launch") -> float:
+    """Mean seconds per call of `repeats` calls (after 3 warm-up calls): captured in one CUDA
+    graph and replayed (`timing="graph"`: device time only), or queued back to back from
+    Python ("launch": the host's launch cost included where it is the bound). A step that
+    cannot be captured falls back to "launch", with a note on stderr."""
     for _ in range(3):
         step()
+    if timing == "graph" and torch.cuda.is_available():
+        try:
+            return graph_seconds(step, repeats)
+        except Exception as error:  # noqa: BLE001 (any capture failure: time it launched)
+            torch.cuda.synchronize()
+            print(f"capture failed ({type(error).__name__}: {error}); timing launched calls",
+                  file=sys.stderr)  # fmt: skip
     if not torch.cuda.is_available():  # the interpreter smoke test on CPU
         start_s = time.perf_counter()
         for _ in range(repeats):
@@ -86,7 +98,7 @@ def outputs(fn: Callable[[str], list[Tensor]], leaves: list[Tensor]) -> list[Ten
 
 def time_ops(
     pairs: list[tuple[str, bool]], table: dict[str, Callable[[str], list[Tensor]]],
-    leaves: list[Tensor], repeats: int,
+    leaves: list[Tensor], repeats: int, timing: str,
 ) -> dict[str, float]:  # fmt: skip
     def step(name: str, backward: bool) -> Callable[[], None]:
         def run() -> None:
@@ -99,7 +111,8 @@ def time_ops(
 
         return run
 
-    return {f"{n} {'fwd+bwd' if b else 'fwd'}": back_to_back(step(n, b), repeats) for n, b in pairs}
+    return {f"{n} {'fwd+bwd' if b else 'fwd'}": back_to_back(step(n, b), repeats, timing)
+            for n, b in pairs}  # fmt: skip
 
 
 def max_rel_diff(got: list[Tensor], want: list[Tensor]) -> float:
@@ -117,8 +130,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     default = dict(mhc_configs.CONFIG)
     pairs = sorted({p for ps in OPS_OF_KEY.values() for p in ps} | set(SUBLAYER))
     reference = {n: outputs(table[n], leaves) for n in table}
-    rows = [dict(variant="default", key="", ms=time_ops(pairs, table, leaves, args.repeats),
-                 diff=0.0)]  # fmt: skip
+    base = time_ops(pairs, table, leaves, args.repeats, args.timing)
+    rows = [dict(variant="default", key="", ms=base, diff=0.0)]
     for variant, override in mhc_configs.SWEEP.items():
         (key,) = override
         if args.only and not any(part in variant for part in args.only.split(",")):
@@ -130,7 +143,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         try:
             ops = sorted({n for n, _ in OPS_OF_KEY[key]} | {"sublayer"})
             diff = max(max_rel_diff(outputs(table[n], leaves), reference[n]) for n in ops)
-            ms = time_ops(sorted(set(OPS_OF_KEY[key] + SUBLAYER)), table, leaves, args.repeats)
+            ms = time_ops(sorted(set(OPS_OF_KEY[key] + SUBLAYER)), table, leaves, args.repeats,
+                          args.timing)  # fmt: skip
         finally:
             mhc_configs.CONFIG.clear()
             mhc_configs.CONFIG.update(default)
@@ -185,6 +199,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add_shape_args(p)
     p.add_argument("--only", default="", help="comma list: sweep variants whose name has one")
+    p.add_argument("--timing", choices=("graph", "launch"), default="graph",
+                   help="graph: calls replayed from a CUDA graph (device time); "
+                        "launch: Python-launched calls back to back")  # fmt: skip
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
