@@ -7,11 +7,11 @@ bucket memory the sender writes next. Each transport owns that memory by a rule 
 - `InProcessTransport`: trainer and engine in one process. `send` hands the bucket itself to the
   session, which serves its whole tensors as views (zero-copy). So the engine owns the bank of
   the version it serves; the next refit writes a bank the engine does not serve (an identity
-  check of one served tensor against the bank's view), which in steady state alternates between
-  two banks per engine with no allocation. Ownership rule for everyone else: tensors of version
-  n stay intact until the engine commits version n+2 (clone what you keep longer); refits and
-  generate calls come from one thread, and on CUDA one stream orders a refit's copies after the
-  kernels that read the bank before.
+  check of one committed tensor, `engine.committed`, against the bank's view), which in steady
+  state alternates between two banks per engine with no allocation. Ownership rule for
+  everyone else: tensors of version n stay intact until the engine commits version n+2 (clone
+  what you keep longer); refits and generate calls come from one thread, and on CUDA one
+  stream orders a refit's copies after the kernels that read the bank before.
 - `BroadcastSender` / `serve_refit`: one trainer rank broadcasts to engine ranks through
   `torch.distributed` (gloo on CPU, nccl on GPU). Control messages and bucket metadata go through
   `broadcast_object_list`, the payload through `broadcast` of the uint8 buffer. The manifest comes
