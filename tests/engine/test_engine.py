@@ -111,3 +111,34 @@ def test_construction_and_drafter_errors() -> None:
     engine = Engine.from_model(Transformer(cfg))
     with pytest.raises(ValueError, match="no MTP depth"):
         engine.generate([[1]], SamplingParams(2, num_speculative_tokens=1))
+
+
+def test_served_phi_buffers_follow_the_committed_tensors() -> None:
+    """With the fused kernels, phi is served from a re-laid buffer (same values); a tensor
+    committed again (a refit bank's view, rewritten in place) gets its buffer back, refreshed,
+    unless that buffer is being served; every other tensor is served as committed."""
+    cfg = tiny_config(num_streams=2, mhc_kernels="triton")  # served_phi is plain torch: no kernel
+    engine = Engine(cfg)
+    gen = torch.Generator().manual_seed(0)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: torch.randn(s.shape, generator=gen) for n, s in engine.manifest().items()}
+
+    phis = [n for n in engine.manifest() if n.endswith(".phi")]
+    assert phis
+    bank_a, bank_b = weights(), weights()
+    served = []
+    for bank in (bank_a, bank_b, bank_a):
+        if served:
+            for t in bank.values():  # the refit rewrote this bank in place
+                t.add_(1.0)
+        engine.commit_weights(bank)
+        assert all(engine.weights[n] is t for n, t in bank.items() if n not in phis)
+        assert all(engine.committed[n] is t for n, t in bank.items())
+        for n in phis:
+            assert engine.weights[n] is not bank[n] and torch.equal(engine.weights[n], bank[n])
+        served.append({n: engine.weights[n] for n in phis})
+    assert all(served[2][n] is served[0][n] for n in phis)  # bank a's buffer, refreshed
+    assert all(served[1][n] is not served[0][n] for n in phis)
+    engine.commit_weights(bank_a)  # the same tensors twice in a row: the served buffer stays
+    assert all(engine.weights[n] is not served[2][n] for n in phis)
