@@ -115,6 +115,15 @@ def time_ops(
             for n, b in pairs}  # fmt: skip
 
 
+def launched(key: str, dtype: str, config: dict[str, Any]) -> bool:
+    """Whether the ops launch CONFIG[key] on `dtype` streams (as `mhc._launch` picks): an "_fp32"
+    entry on fp32 streams only; any other entry on other streams, and on fp32 streams where it
+    has no "_fp32" twin."""
+    if key.endswith("_fp32"):
+        return dtype == "fp32"
+    return dtype != "fp32" or f"{key}_fp32" not in config
+
+
 def max_rel_diff(got: list[Tensor], want: list[Tensor]) -> float:
     return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
                for g, w in zip(got, want, strict=True))  # fmt: skip
@@ -136,9 +145,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         (key,) = override
         if args.only and not any(part in variant for part in args.only.split(",")):
             continue
-        fp32 = args.dtype == "fp32"
-        if key.endswith("_fp32") != fp32 and not (fp32 and f"{key}_fp32" not in default):
-            continue  # the entry is not launched at this dtype
+        if not launched(key, args.dtype, default):
+            continue
         mhc_configs.CONFIG.update(override)
         try:
             ops = sorted({n for n, _ in OPS_OF_KEY[key]} | {"sublayer"})

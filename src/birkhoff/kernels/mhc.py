@@ -136,11 +136,12 @@ def _is_served(phi_PC: Tensor) -> bool:
     """Whether phi is `served_phi`'s layout: fp32, stride (1, PP), its [C, PP] rows in storage
     (the pad's values never matter: only P projection columns are read). Never when compiling:
     dynamo cannot trace storage queries (and compiled code holds no served phi)."""
+    C, PP = phi_PC.shape[1], _pads(1, phi_PC.shape[0])[1]
     if torch.compiler.is_compiling() or phi_PC.dtype != torch.float32:
         return False
-    C, PP = phi_PC.shape[1], _pads(1, phi_PC.shape[0])[1]
-    fits = (phi_PC.storage_offset() + C * PP) * 4 <= phi_PC.untyped_storage().nbytes()
-    return phi_PC.stride() == (1, PP) and fits
+    if phi_PC.stride() != (1, PP):  # the trainer's contiguous phi: no storage query
+        return False
+    return (phi_PC.storage_offset() + C * PP) * 4 <= phi_PC.untyped_storage().nbytes()
 
 
 def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
