@@ -73,11 +73,11 @@ def test_fused_sublayer_sends_the_streams_one_gradient() -> None:
 def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
 
-    grad_phi = dict(mhc.CONFIG["grad_phi"], BN=16, TOKENS=16)  # 34 tokens: three g_phi blocks
-    monkeypatch.setitem(mhc.CONFIG, "grad_phi", grad_phi)
-    monkeypatch.setitem(
-        mhc.CONFIG, "grad_x", dict(mhc.CONFIG["grad_x"], BN=16, BC=32)
-    )  # 3 x 5 tiles
+    for key in ("grad_phi", "grad_phi_fp32"):  # 34 tokens: three g_phi blocks
+        monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, TOKENS=16))
+    for key in ("grad_x", "grad_x_fp32"):  # 3 x 5 tiles (bf16x3: two of 16 tokens a program)
+        monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, BC=32, TOKENS=32))
+    monkeypatch.setitem(mhc.CONFIG, "grad_x_fp32", dict(mhc.CONFIG["grad_x_fp32"], TOKENS=16))
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
@@ -86,6 +86,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_contraction(Case(S=2, D=40, B=2, T=17), "cpu")
+    check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", torch.bfloat16)
     # one decode token (one token a program): 5 column splits, summed two per load (2 + 2 + a
     # masked 1)
     monkeypatch.setattr(mhc, "TAIL_ELEMENTS", 2 * 1 * 32)

@@ -84,8 +84,9 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S)
         const, launch = split(mhc._launch("coeff_proj", x, S))
         const.pop("PROGRAMS")
+        terms = dict(phit_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         usage[f"coeff_proj/{P}"] = compile_for_h200(
-            K.coeff_proj, types, const | dict(PP=PP), launch
+            K.coeff_proj, types | terms, const | dict(PP=PP, EMU=False), launch
         )
         const, launch = split(mhc._launch("coeff_tail", x, S))
         kb = max(1, mhc.TAIL_ELEMENTS // (int(const["BN"]) * PP))  # decode's widest load
@@ -95,13 +96,23 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))
+        terms = dict(phi_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
-                K.grad_x, types, dict(P=P, PP=PP, MIX=mix, RES=res) | const, launch
-            )
+                K.grad_x, types | terms,
+                dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=WHOLE_TEST and 768 % int(const["BC"]) == 0, EMU=False)
+                | const, launch,
+            )  # fmt: skip
         const, launch = split(mhc._launch("grad_phi", x, S))
-        split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16") | const
+        split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
         usage[f"grad_phi/{P}"] = compile_for_h200(K.grad_phi, types, split_bf16, launch)
+        for terms in (1, 3):
+            usage[f"phi_pad_t/{P}/{terms}"] = compile_for_h200(
+                K.phi_pad_t,
+                types | dict(P="i32", out_ptr="*bf16" if terms == 3 else f32),
+                dict(PP=PP, BC=64, TERMS=terms),
+                {},
+            )
     const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
@@ -109,6 +120,9 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         consts = dict(S=S, WRITE_GX=write) | const
         usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
     return usage
+
+
+WHOLE_TEST = True
 
 
 def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:

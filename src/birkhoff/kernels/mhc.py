@@ -57,6 +57,7 @@ from birkhoff.kernels.mhc_mix import (
     pad_streams,
     pow2,
 )
+from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi, served_phi
 from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
@@ -69,20 +70,23 @@ __all__ = [
 
 def _pads(S: int, P: int) -> tuple[int, int]:
     """(SP, PP): S padded to a power of two >= 2, P to a power of two >= 16 (tl.dot)."""
-    return pad_streams(S), max(16, pow2(P))
+    return pad_streams(S), padded_logits(P)
 
 
 def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
     """CONFIG[name] (its "_fp32" entry for fp32 streams) for S streams, tuned at S = 4: for
     S > 4 the coefficient kernels' token block shrinks (their Sinkhorn state is BN x SP x SP,
-    the projection BN x PP), and so do grad_phi's blocks (accumulator PP x BC, g_raw BN x PP)."""
+    the projection BN x PP), and so do grad_phi's blocks (accumulator PP x BC, g_raw BN x PP)
+    and the columns of coeff_proj's and grad_x's dots (phi tiles PP x BC)."""
     fp32 = x is not None and x.dtype == torch.float32 and f"{name}_fp32" in CONFIG
     cfg = dict(CONFIG[f"{name}_fp32" if fp32 else name])
     if name.startswith("coeff"):
         cfg["BN"] = max(16, int(cfg["BN"]) * 16 // max(16, pad_streams(S) ** 2))
-    if name == "grad_phi":
+    if name in ("grad_phi", "coeff_proj") or (name == "grad_x" and cfg["PREC"] == "bf16x3"):
         shrink = max(32, _pads(S, S * S + 2 * S)[1]) // 32
-        cfg["BC"], cfg["BN"] = (max(16, int(cfg[k]) // shrink) for k in ("BC", "BN"))
+        cfg["BC"] = max(16, int(cfg["BC"]) // shrink)
+        if name == "grad_phi":
+            cfg["BN"] = max(16, int(cfg["BN"]) // shrink)
     return cfg
 
 
@@ -108,9 +112,12 @@ TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, a
 
 def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor, Tensor, int]:
     """coeff_proj's partial (projection [splits, N, PP], sum of squares [splits, N], splits):
-    the columns are split until the grid has about CONFIG's PROGRAMS programs."""
+    the columns are split until the grid has about CONFIG's PROGRAMS programs. PREC "bf16x3"
+    needs bf16 streams and phi's bf16 terms; fp16 streams and a served phi take "tf32x3"."""
     C = x_BTSD.shape[-2] * x_BTSD.shape[-1]
     cfg = _launch("coeff_proj", x_BTSD, x_BTSD.shape[-2])
+    if cfg["PREC"] == "bf16x3" and (x_BTSD.dtype != torch.bfloat16 or is_served(phi_PC)):
+        cfg["PREC"] = "tf32x3"
     bn = _token_block(cfg, N)
     bc, blocks = int(cfg.pop("BC")), cdiv(N, bn)
     splits = max(1, min(cdiv(C, bc), int(cfg.pop("PROGRAMS")) // blocks))
@@ -119,40 +126,11 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
     part = x_BTSD.new_empty((splits, N, PP), dtype=torch.float32)
     sq = x_BTSD.new_empty((splits, N), dtype=torch.float32)
     cfg["BN"] = bn
+    phi_t = projection_phi(phi_PC, 3 if cfg["PREC"] == "bf16x3" else 1)
     traceable(K.coeff_proj)[(blocks, splits)](
-        x_BTSD, _phi_t(phi_PC, PP), part, sq, N, C, chunk, PP=PP, BC=bc, **cfg
-    )
+        x_BTSD, phi_t, part, sq, N, C, chunk, PP=PP, BC=bc, EMU=INTERPRET, **cfg
+    )  # fmt: skip
     return part, sq, splits
-
-
-def served_phi(phi_PC: Tensor) -> Tensor:
-    """phi [P, C] (same values) as a view of a zero-padded [C, PP] fp32 buffer: the layout the
-    fused projection reads, so a call with it launches no transposing copy (the engine's)."""
-    (P, C), PP = phi_PC.shape, _pads(1, phi_PC.shape[0])[1]
-    return phi_PC.new_zeros((C, PP), dtype=torch.float32)[:, :P].copy_(phi_PC.t()).t()
-
-
-def _is_served(phi_PC: Tensor) -> bool:
-    """Whether phi is `served_phi`'s layout: fp32, stride (1, PP), its [C, PP] rows in storage
-    (the pad's values never matter: only P projection columns are read). Never when compiling:
-    dynamo cannot trace storage queries (and compiled code holds no served phi)."""
-    C, PP = phi_PC.shape[1], _pads(1, phi_PC.shape[0])[1]
-    if torch.compiler.is_compiling() or phi_PC.dtype != torch.float32:
-        return False
-    if phi_PC.stride() != (1, PP):  # the trainer's contiguous phi: no storage query
-        return False
-    return (phi_PC.storage_offset() + C * PP) * 4 <= phi_PC.untyped_storage().nbytes()
-
-
-def _phi_t(phi_PC: Tensor, PP: int) -> Tensor:
-    """phi transposed and zero-padded to [C, PP] in fp32 (coalesced, unmasked kernel loads):
-    a view when phi comes in `served_phi`'s layout, else one launch."""
-    (P, C), BC = phi_PC.shape, 64
-    if _is_served(phi_PC):
-        return phi_PC.as_strided((C, PP), (PP, 1))
-    phit_CP = phi_PC.new_empty((C, PP), dtype=torch.float32)
-    traceable(K.phi_pad_t)[(cdiv(C, BC),)](phi_PC.contiguous(), phit_CP, P, C, PP=PP, BC=BC)
-    return phit_CP
 
 
 def _coefficients_impl(
@@ -238,21 +216,21 @@ def _coefficients_bwd_impl(
         raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT, scratch,
         N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
     )  # fmt: skip
-    cfg = _launch("grad_x", x_BTSD)
-    grid = (cdiv(N, int(cfg["BN"])), cdiv(C, int(cfg["BC"])))
-    phi_f32 = phi_PC.float().contiguous()
+    cfg = _launch("grad_x", x_BTSD, S)
+    tokens = int(cfg.pop("TOKENS"))
+    grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
+    phi = projection_phi(phi_PC, 3) if cfg["PREC"] == "bf16x3" else phi_PC.float().contiguous()
     traceable(K.grad_x)[grid](
-        g_raw, phi_f32, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
-        N, C, D, S, P=P, PP=PP, MIX=mix, RES=res, **cfg,
+        g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
+        N, C, D, S, tokens, P=P, PP=PP, MIX=mix, RES=res, WHOLE=D % int(cfg["BC"]) == 0,
+        EMU=INTERPRET, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_phi", x_BTSD, S)
     tokens = int(cfg.pop("TOKENS"))
     partials = g_raw.new_empty((cdiv(N, tokens), PP, C))  # g_phi per block of tokens
-    # the Triton interpreter (3.9) computes bf16 x bf16 dots wrongly: it runs the fp32 dot there,
-    # and the split path is checked on the GPU (tests/kernels/test_mhc_gpu.py)
-    split = x_BTSD.dtype == torch.bfloat16 and not INTERPRET
     traceable(K.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
-        g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP, SPLIT=split, **cfg
+        g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP,
+        SPLIT=x_BTSD.dtype == torch.bfloat16, EMU=INTERPRET, **cfg,
     )  # fmt: skip
     g_phi = partials.sum(0)[:P].to(phi_PC.dtype)
     return g_x, g_phi, g_a
@@ -340,7 +318,7 @@ def _op_inputs(
     also in `served_phi`'s layout), alpha and bias in fp32."""
     check_inputs(x_BTSD, phi_PC)
     return (
-        x_BTSD.contiguous(), phi_PC if _is_served(phi_PC) else phi_PC.contiguous(),
+        x_BTSD.contiguous(), phi_PC if is_served(phi_PC) else phi_PC.contiguous(),
         alpha.float().contiguous(), bias_P.float().contiguous(),
     )  # fmt: skip
 
