@@ -100,7 +100,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
                 K.grad_x, types | terms,
-                dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=WHOLE_TEST and 768 % int(const["BC"]) == 0, EMU=False)
+                dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0, EMU=False)
                 | const, launch,
             )  # fmt: skip
         const, launch = split(mhc._launch("grad_phi", x, S))
@@ -120,9 +120,6 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         consts = dict(S=S, WRITE_GX=write) | const
         usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
     return usage
-
-
-WHOLE_TEST = True
 
 
 def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
