@@ -197,3 +197,38 @@ def check_both_streams_gradients_matter(c: Case, device: str) -> None:
 
 def check_contraction(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
     check_fused_vs_eager(contraction_loss, c, device, dtype)
+
+
+def check_bf16_streams_keep_fp32_precision(c: Case, device: str, truncates: bool = False) -> None:
+    """On bf16 streams (values exact in fp32) the fused coefficients and g_phi equal the eager
+    fp32 path's to fp32 rounding: phi's three bf16 terms and g_raw's give exact tensor-core
+    products. g_x, written in bf16, is the fp32 gradient rounded: a product of bf16-truncated
+    operands (~2^-9 relative) would change ~half of its bf16 values, the kept three terms
+    (~2^-15) only those within rounding noise of a tie. truncates: the kernels' fp32 -> bf16 casts
+    round toward zero (the Triton interpreter's; CUDA rounds to nearest)."""
+    inp = make_inputs(c, device, torch.float32)
+    inp["x"] = inp["x"].bfloat16().float()
+    S = c.S
+    w_res = torch.arange(S * S, device=device, dtype=torch.float32).view(S, S).cos()
+    out = {}
+    for kernels, dtype in (("triton", torch.bfloat16), ("eager", torch.float32)):
+        x, phi, alpha, bias = (inp[k].clone().requires_grad_(True) for k in
+                               ("x", "phi", "alpha", "bias"))  # fmt: skip
+        xs = x.to(dtype)
+        pre, post, res = hyper.mhc_coefficients(
+            xs, phi, alpha, bias, iters=c.iters, norm_eps=1e-6, kernels=kernels
+        )
+        loss = (res * w_res).sum() + pre.sin().sum() + post.square().sum()
+        g_x, g_phi, g_alpha, g_bias = torch.autograd.grad(loss, [xs, phi, alpha, bias])
+        out[kernels] = [pre, post, res, g_phi, g_alpha, g_bias], g_x
+    (fused, g_x), (eager, g_x_ref) = out["triton"], out["eager"]
+    assert g_x.dtype == torch.bfloat16
+    assert_close(fused, eager, 2e-5, "bf16 streams, fp32 outputs")
+    if truncates:  # clear the 16 low bits: the bf16 value toward zero, exactly representable
+        rounded = (g_x_ref.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    else:
+        rounded = g_x_ref.bfloat16()
+    differs = (g_x != rounded).float().mean().item()
+    ulp = (rounded.float().abs() * 2.0**-7).clamp_min(2.0**-14 * g_x_ref.abs().max().item())
+    assert ((g_x.float() - rounded.float()).abs() <= ulp).all(), "g_x off by more than an ulp"
+    assert differs < 0.02, f"{differs:.1%} of g_x differ from the rounded fp32 gradient"

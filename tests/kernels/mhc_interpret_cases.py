@@ -12,6 +12,7 @@ from mhc_cases import (
     Case,
     case_id,
     check_both_streams_gradients_matter,
+    check_bf16_streams_keep_fp32_precision,
     check_contraction,
     check_hyper,
     check_sublayer,
@@ -127,6 +128,11 @@ def test_bf16_streams_match_eager() -> None:
     check_hyper(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16, joint=True)
     check_sublayer(Case(S=4, D=40, B=2, T=9, iters=3), "cpu", torch.bfloat16)
     check_contraction(Case(S=4, D=40, B=2, T=9), "cpu", torch.bfloat16)
+
+
+def test_bf16_streams_keep_fp32_precision() -> None:
+    c = Case(S=4, D=40, B=2, T=9, iters=3)
+    check_bf16_streams_keep_fp32_precision(c, "cpu", truncates=True)  # the interpreter's casts
 
 
 @pytest.mark.parametrize("variant", sorted(SWEEP))

@@ -48,6 +48,11 @@ def test_contraction_fused_matches_eager(case: Case) -> None:
     check_contraction(case, "cuda")
 
 
+@pytest.mark.parametrize("case", CUDA_CASES[-2:], ids=case_id)
+def test_bf16_streams_keep_fp32_precision(case: Case) -> None:
+    check_bf16_streams_keep_fp32_precision(case, "cuda")
+
+
 def test_auto_selects_the_fused_ops_on_cuda() -> None:
     x = torch.zeros(1, 1, 4, 8, device="cuda")
     assert hyper.use_fused(x, "auto") and not hyper.use_fused(x, "eager")
