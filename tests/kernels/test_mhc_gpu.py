@@ -9,6 +9,7 @@ from mhc_cases import (
     CASES,
     Case,
     case_id,
+    check_bf16_streams_keep_fp32_precision,
     check_contraction,
     check_hyper,
     check_sublayer,
