@@ -65,6 +65,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     import torch
 
     from birkhoff.kernels import mhc, mhc_mix
+    from birkhoff.kernels import mhc_grad_triton as G
     from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
 
@@ -99,13 +100,13 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         terms = dict(phi_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
-                K.grad_x, types | terms,
+                G.grad_x, types | terms,
                 dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0, EMU=False)
                 | const, launch,
             )  # fmt: skip
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
-        usage[f"grad_phi/{P}"] = compile_for_h200(K.grad_phi, types, split_bf16, launch)
+        usage[f"grad_phi/{P}"] = compile_for_h200(G.grad_phi, types, split_bf16, launch)
         for terms in (1, 3):
             usage[f"phi_pad_t/{P}/{terms}"] = compile_for_h200(
                 K.phi_pad_t,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from birkhoff.kernels import mhc_grad_triton as G
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc_configs import CONFIG, Launch
 from birkhoff.kernels.mhc_mix import (
@@ -220,7 +221,7 @@ def _coefficients_bwd_impl(
     tokens = int(cfg.pop("TOKENS"))
     grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
     phi = projection_phi(phi_PC, 3) if cfg["PREC"] == "bf16x3" else phi_PC.float().contiguous()
-    traceable(K.grad_x)[grid](
+    traceable(G.grad_x)[grid](
         g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
         N, C, D, S, tokens, P=P, PP=PP, MIX=mix, RES=res, WHOLE=D % int(cfg["BC"]) == 0,
         EMU=INTERPRET, **cfg,
@@ -228,7 +229,7 @@ def _coefficients_bwd_impl(
     cfg = _launch("grad_phi", x_BTSD, S)
     tokens = int(cfg.pop("TOKENS"))
     partials = g_raw.new_empty((cdiv(N, tokens), PP, C))  # g_phi per block of tokens
-    traceable(K.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
+    traceable(G.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
         g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP,
         SPLIT=x_BTSD.dtype == torch.bfloat16, EMU=INTERPRET, **cfg,
     )  # fmt: skip

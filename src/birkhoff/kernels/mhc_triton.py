@@ -21,12 +21,7 @@ PP: P padded to a power of two (>= 16).
   normalisation k is the state after it times its denominators, so no state is stored and
   nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
   rounding).
-- `grad_x`: g_x = g_raw @ phi + that term (+ the mix in's h g_y when the op also mixed in,
-  + mix out's residual-path g_x when the sublayer handed it over, so g_x is written once):
-  P exact fp32 FMAs per element, or for bf16 streams (written in bf16) three bf16 dots of
-  split operands (~2^-15 relative).
-- `grad_phi`: g_phi = g_raw^T @ x as partials over blocks of tokens, summed by the caller, on
-  tensor cores (bf16 x: g_raw split into three bf16 terms, x read as stored).
+- `grad_x`, `grad_phi` (the projection's backward products): `mhc_grad_triton`.
 The bf16 dots run as fp32 dots of the same values under the Triton interpreter (EMU), whose
 bf16 dots are wrong, so the CPU tests check the split arithmetic too.
 Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
@@ -143,7 +138,7 @@ def coeff_proj(
         if PREC == "bf16x3":
             for t in tl.static_range(3):
                 term = tl.load(tile + t * C * PP, mask=(c < C)[:, None], other=0.0)
-                raw = _dot_bf16(xs, term, raw, EMU)
+                raw = dot_bf16(xs, term, raw, EMU)
         else:
             phi_t = tl.load(tile, mask=(c < C)[:, None], other=0.0)
             raw = tl.dot(xv, phi_t, raw, input_precision=PREC)
@@ -153,7 +148,7 @@ def coeff_proj(
 
 
 @triton.jit
-def _dot_bf16(a, b, acc, EMU: tl.constexpr):
+def dot_bf16(a, b, acc, EMU: tl.constexpr):
     """acc + a @ b for bf16 a and b, accumulated in fp32 (exact products). EMU: as an fp32 dot of
     the same values (the Triton interpreter's bf16 dots are wrong)."""
     if EMU:
@@ -162,7 +157,7 @@ def _dot_bf16(a, b, acc, EMU: tl.constexpr):
 
 
 @triton.jit
-def _split3(v):
+def split3(v):
     """fp32 v as three bf16 terms hi + mid + lo (24 significant bits, v's own to rounding)."""
     hi = v.to(tl.bfloat16)
     rest = v - hi.to(tl.float32)
@@ -273,124 +268,9 @@ def coeff_bwd(
 
 
 @triton.jit
-def grad_x(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
-    RES: tl.constexpr, WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-    EMU: tl.constexpr,
-):  # fmt: skip
-    """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
-    column c is stream j = c // D; + g_r, the streams' gradient from the residual path of mix
-    out, when RES) over BC columns of TOKENS tokens, BN at a time, written once in the dtype of
-    x. The product has only P terms: PREC "fma" runs them as exact fp32 FMAs (phi fp32 [P, C]),
-    one term a loop step; "bf16x3" (bf16 x, whose g_x is written in bf16) as the three largest
-    products of g_raw and phi split into bf16 terms (~2^-15 relative; phi as `phi_pad_t`'s
-    three terms [3, C, PP]), one [BN, PP] x [PP, BC] tensor-core dot each, phi's tiles loaded
-    once per program."""
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    q = tl.arange(0, PP)
-    c_ok = c < C
-    args = (graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q)
-    if PREC == "fma":  # one block of BN tokens a program (a loop around it costs registers)
-        _grad_x_rows(tl.program_id(0) * BN, *args, 0.0, 0.0, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
-    else:
-        tile = phi_ptr + q[:, None] + c[None, :] * PP
-        phi_hi = tl.load(tile, mask=c_ok[None, :], other=0.0)
-        phi_mid = tl.load(tile + C * PP, mask=c_ok[None, :], other=0.0)
-        start = tl.program_id(0) * TOKENS
-        for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
-            _grad_x_rows(n0, *args, phi_hi, phi_mid, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
-
-
-@triton.jit
-def _grad_x_rows(
-    n0, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q,
-    phi_hi, phi_mid, P: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr, RES: tl.constexpr,
-    WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """grad_x's BN tokens from n0 over its columns c."""
-    n = n0 + tl.arange(0, BN)
-    n_ok = n < N
-    n64 = n.to(tl.int64)
-    c_ok = c < C
-    ok = n_ok[:, None] & c_ok[None, :]
-    offs = n64[:, None] * C + c[None, :]
-    coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
-    g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if RES:
-        g += tl.load(gr_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if PREC == "fma":
-        for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
-            g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
-            g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c_ok, other=0.0)[None, :]
-    else:
-        g_raw = tl.load(graw_ptr + n64[:, None] * P + q[None, :],
-                        mask=n_ok[:, None] & (q < P)[None, :], other=0.0)  # fmt: skip
-        g_hi, g_mid, _ = _split3(g_raw)
-        g = _dot_bf16(g_hi, phi_hi, g, EMU)
-        g = _dot_bf16(g_hi, phi_mid, g, EMU)
-        g = _dot_bf16(g_mid, phi_hi, g, EMU)
-    if MIX:
-        if WHOLE:  # BC divides D: the tile's columns all lie in stream c // D
-            h = tl.load(h_ptr + n64 * S + tl.program_id(1) * BC // D, mask=n_ok, other=0.0)[:, None]
-        else:
-            h = tl.load(h_ptr + n64[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
-        gy = tl.load(gy_ptr + n64[:, None] * D + (c % D)[None, :], mask=ok, other=0.0)
-        g += h * gy.to(tl.float32)
-    tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def grad_phi(
-    graw_ptr, x_ptr, gphi_ptr, N, C, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    TRANS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """This program's partial g_phi = g_raw^T @ x over its TOKENS tokens and BC columns, a
-    [PP, BC] block of gphi [N / TOKENS, PP, C] (the caller sums the blocks in a fixed order, so
-    g_phi is deterministic). SPLIT (bf16 x): g_raw is the sum of three bf16 terms (24
-    significant bits, as fp32), each a bf16 tensor-core dot with x as stored, whose products are
-    exact and accumulate in fp32; otherwise x in fp32 and a PREC dot. TRANS: the product as
-    g_phi^T = x^T @ g_raw ([BC, PP], x's columns the dot's rows, for wider tensor-core tiles)."""
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    p = tl.arange(0, PP)
-    acc = tl.zeros([BC, PP] if TRANS else [PP, BC], dtype=tl.float32)
-    start = tl.program_id(0) * TOKENS
-    for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
-        n = n0 + tl.arange(0, BN)
-        n_ok = n < N
-        n64 = n.to(tl.int64)
-        g = tl.load(graw_ptr + n64[:, None] * P + p[None, :],
-                    mask=n_ok[:, None] & (p < P)[None, :], other=0.0)  # fmt: skip
-        xv = tl.load(x_ptr + n64[:, None] * C + c[None, :], mask=n_ok[:, None] & (c < C)[None, :],
-                     other=0.0)  # fmt: skip
-        if TRANS:
-            x_t = tl.trans(xv)
-            if SPLIT:
-                terms = _split3(g)
-                for t in tl.static_range(3):
-                    acc = _dot_bf16(x_t, terms[t], acc, EMU)
-            else:
-                acc = tl.dot(x_t.to(tl.float32), g, acc, input_precision=PREC)
-        else:
-            g_t = tl.trans(g)
-            if SPLIT:
-                terms = _split3(g_t)
-                for t in tl.static_range(3):
-                    acc = _dot_bf16(terms[t], xv, acc, EMU)
-            else:
-                acc = tl.dot(g_t, xv.to(tl.float32), acc, input_precision=PREC)
-    part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
-    if TRANS:
-        tl.store(part + p[None, :] * C + c[:, None], acc, mask=(c < C)[:, None])
-    else:
-        tl.store(part + p[:, None] * C + c[None, :], acc, mask=(c < C)[None, :])
-
-
-@triton.jit
 def phi_pad_t(phi_ptr, out_ptr, P, C, PP: tl.constexpr, BC: tl.constexpr, TERMS: tl.constexpr):
     """out[C, PP] = phi[P, C]^T, zero in the padded columns p >= P (one launch instead of a
-    fill and a strided copy): in fp32 (TERMS 1), or as the three bf16 terms of `_split3`,
+    fill and a strided copy): in fp32 (TERMS 1), or as the three bf16 terms of `split3`,
     out [3, C, PP] (TERMS 3)."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     p = tl.arange(0, PP)
@@ -398,7 +278,7 @@ def phi_pad_t(phi_ptr, out_ptr, P, C, PP: tl.constexpr, BC: tl.constexpr, TERMS:
     tile = tl.load(phi_ptr + p[None, :] * C + c[:, None], mask=ok, other=0.0).to(tl.float32)
     out = out_ptr + c[:, None] * PP + p[None, :]
     if TERMS == 3:
-        terms = _split3(tile)
+        terms = split3(tile)
         for t in tl.static_range(3):
             tl.store(out + t * C * PP, terms[t], mask=(c < C)[:, None])
     else:
