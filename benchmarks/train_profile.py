@@ -11,6 +11,7 @@ the device's idle time in one step charged to the host op whose late launch ende
 
   python benchmarks/train_profile.py                          # S1_M1 vs S4_M1, h200-small
   python benchmarks/train_profile.py --variants S1_M0,S4_M0 --top 40
+  python benchmarks/train_profile.py --compile --residual-dtype autocast   # as train_step's
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from train_step import RESULTS, fwd_bwd, model_config, sizes
 
 from birkhoff.model import Transformer
 from birkhoff.train import TrainConfig
+from birkhoff.train.recompute import compile_blocks
 
 
 def host_and_wall_ms(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> list[float]:
@@ -144,6 +146,8 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     torch.manual_seed(0)
     cfg = model_config(size, streams, mtp, args.mhc_kernels, args.residual_dtype)
     model = Transformer(cfg).cuda()
+    if args.compile:
+        compile_blocks(model)
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), device="cuda")
     train = TrainConfig(amp_dtype="bf16")
     for _ in range(3):
@@ -178,6 +182,7 @@ def main(argv: list[str]) -> int:
     for flag in ("dim", "layers", "heads", "seq", "batch", "iters"):
         p.add_argument(f"--{flag}", type=int, default=None)
     p.add_argument("--residual-dtype", choices=("fp32", "autocast"), default="fp32")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--top-host", type=int, default=15, help="host ops listed per variant")
