@@ -76,9 +76,9 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
 
     for key in ("grad_phi", "grad_phi_fp32"):  # 34 tokens: three g_phi blocks
         monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, TOKENS=16))
-    for key in ("grad_x", "grad_x_fp32"):  # 3 x 5 tiles (bf16x3: two of 16 tokens a program)
+    for key in ("grad_x", "grad_x_fp32"):  # 3 x 5 tiles (bf16x3: two of 16 tokens a program;
+        # fma: one, whatever TOKENS says)
         monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, BC=32, TOKENS=32))
-    monkeypatch.setitem(mhc.CONFIG, "grad_x_fp32", dict(mhc.CONFIG["grad_x_fp32"], TOKENS=16))
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks

@@ -218,7 +218,9 @@ def _coefficients_bwd_impl(
         N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_x", x_BTSD, S)
-    tokens = int(cfg.pop("TOKENS"))
+    tokens = int(cfg.pop("TOKENS", cfg["BN"]))
+    if cfg["PREC"] == "fma":  # one block of BN tokens a program (the kernel's fma branch)
+        tokens = int(cfg["BN"])
     grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
     phi = projection_phi(phi_PC, 3) if cfg["PREC"] == "bf16x3" else phi_PC.float().contiguous()
     traceable(G.grad_x)[grid](

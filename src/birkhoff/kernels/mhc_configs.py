@@ -1,18 +1,18 @@
 """Launch parameters of the fused mHC kernels, and the variants the sweep compares.
 
-`CONFIG` is what the ops launch (read at every call, so a change applies at the next call):
-BN tokens and BC / BD columns per program, num_warps, num_stages. coeff_proj splits the C
-columns until its grid has about PROGRAMS programs (decode's few tokens too); grad_phi sums
-TOKENS tokens (a multiple of BN) per partial g_phi, and grad_x walks TOKENS tokens BN at a time
-(its phi tiles loaded once). PREC is the precision of the projection's products: "bf16x3"
-(coeff_proj on bf16 streams: phi as three bf16 terms, exact products, ~fp32; grad_x: the three
-largest products of bf16 terms of g_raw and phi, ~2^-15 relative, for g_x written in bf16),
-"tf32x3" (three TF32 products, ~fp32 accurate; bf16 is exact in TF32), "tf32" (one product,
-~1e-3 relative) or "fma" (grad_x: exact fp32 FMAs); grad_phi on bf16 streams splits g_raw
-into three bf16 terms instead and does not read PREC, and TRANS computes its product as
-g_phi^T = x^T g_raw. fp32 streams use the "_fp32" entries with exact fp32 "ieee" dots and FMAs.
-Every entry here and in `SWEEP` compiles for sm_90 without register
-spills (tests/kernels/test_mhc_compile.py) and matches the eager path under the Triton
+`CONFIG` is what the ops launch (read at every call, so a change applies at the next call): BN
+tokens and BC / BD columns per program, num_warps, num_stages. coeff_proj splits the C columns
+until its grid has about PROGRAMS programs (decode's few tokens too); grad_phi sums TOKENS
+tokens (a multiple of BN) per partial g_phi, and grad_x's dots walk TOKENS tokens BN at a time
+(their phi tiles loaded once; "fma" takes BN tokens a program). PREC is the precision of the
+projection's products: "bf16x3" (coeff_proj on bf16 streams: phi as three bf16 terms, exact
+products, ~fp32; grad_x: the three largest products of bf16 terms of g_raw and phi, ~2^-15
+relative, for g_x written in bf16), "tf32x3" (three TF32 products, ~fp32 accurate; bf16 is
+exact in TF32), "tf32" (one product, ~1e-3 relative) or "fma" (grad_x: exact fp32 FMAs);
+grad_phi on bf16 streams splits g_raw into three bf16 terms instead and does not read PREC, and
+TRANS computes its product as g_phi^T = x^T g_raw. fp32 streams use the "_fp32" entries with
+exact fp32 "ieee" dots and FMAs. Every entry here and in `SWEEP` compiles for sm_90 without
+register spills (tests/kernels/test_mhc_compile.py) and matches the eager path under the Triton
 interpreter.
 
 coeff_proj's PROGRAMS comes from an H200 sweep (`python benchmarks/mhc_sweep.py`,
@@ -32,7 +32,7 @@ CONFIG: dict[str, Launch] = {
     "coeff_tail": dict(BN=32, num_warps=4),
     "coeff_bwd": dict(BN=16, num_warps=2),
     "grad_x": dict(BN=64, BC=64, TOKENS=1024, num_warps=8, PREC="bf16x3"),
-    "grad_x_fp32": dict(BN=16, BC=256, TOKENS=16, num_warps=4, PREC="fma"),
+    "grad_x_fp32": dict(BN=16, BC=256, num_warps=4, PREC="fma"),
     "grad_phi": dict(
         BN=64, BC=128, TOKENS=1024, num_warps=8, num_stages=3, PREC="tf32x3", TRANS=True
     ),
@@ -50,7 +50,7 @@ SWEEP: dict[str, dict[str, Launch]] = {
     "coeff_tail/BN64-w4": {"coeff_tail": dict(BN=64, num_warps=4)},
     "coeff_bwd/BN32-w4": {"coeff_bwd": dict(BN=32, num_warps=4)},
     "coeff_bwd/BN16-w1": {"coeff_bwd": dict(BN=16, num_warps=1)},
-    "grad_x/fma": {"grad_x": dict(BN=16, BC=256, TOKENS=16, num_warps=4, PREC="fma")},
+    "grad_x/fma": {"grad_x": dict(BN=16, BC=256, num_warps=4, PREC="fma")},
     "grad_x/T256": {"grad_x": dict(CONFIG["grad_x"], TOKENS=256)},
     "grad_x/T4096": {"grad_x": dict(CONFIG["grad_x"], TOKENS=4096)},
     "coeff_proj/tf32x3": {"coeff_proj": dict(CONFIG["coeff_proj"], PREC="tf32x3")},
