@@ -20,6 +20,7 @@ run (8192^3, best of 10) and as the 790 TFLOP/s measured on an H200.
   python benchmarks/train_step.py --device cpu              # small model, a few minutes
   python benchmarks/train_step.py --device cuda             # h200-small preset: ~120M, T=2048
   python benchmarks/train_step.py --device cuda --compile   # same, each block torch.compiled
+  python benchmarks/train_step.py --device cuda --compile --cuda-graph  # and fwd+bwd graphed
   python benchmarks/train_step.py --device cuda --moe       # MoE vs dense of equal active params
 
 MoE (--moe, or variant names ending in `_moe`): the same trunk with MoE feed-forwards in every
@@ -48,6 +49,7 @@ from birkhoff.model import Transformer
 from birkhoff.model.moe import moe_layers
 from birkhoff.presets import h200_small
 from birkhoff.train import TrainConfig, forward_context
+from birkhoff.train.graph import StepGraphs
 from birkhoff.train.recompute import apply_recompute, compile_blocks
 
 VARIANTS = ((1, 0), (4, 0), (1, 1), (4, 1))  # (S, M)
@@ -69,6 +71,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--recompute", choices=("none", "full"), default="none")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="forward + backward from a CUDA graph (TrainConfig.cuda_graph)",
+    )
     p.add_argument("--mhc-kernels", choices=("auto", "eager", "triton"), default="auto",
                    help="mHC ops: fused Triton (auto on CUDA) or the eager reference")  # fmt: skip
     p.add_argument(
@@ -84,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.compile and args.recompute == "full":
         p.error("--compile with --recompute full is not supported (TrainConfig.compile)")
+    if args.cuda_graph and (args.recompute == "full" or args.device != "cuda"):
+        p.error("--cuda-graph needs --device cuda and --recompute none (TrainConfig.cuda_graph)")
     return args
 
 
@@ -126,11 +135,20 @@ def flops_per_token(model: Transformer, seq: int) -> float:
     return 6.0 * num_matmul + 12.0 * (cfg.num_layers + cfg.mtp_depth) * seq * cfg.dim
 
 
-def fwd_bwd(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> None:
-    with forward_context(model, train):
-        out = model(ids_BT, labels=ids_BT)
+def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    out = model(batch[0], labels=batch[0])
     assert out.loss is not None
-    out.loss.backward()
+    return out.loss, {}
+
+
+def fwd_bwd(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig,
+            graphs: StepGraphs | None) -> None:  # fmt: skip
+    if graphs is not None:
+        graphs((ids_BT,))
+    else:
+        with forward_context(model, train):
+            loss, _ = lm_loss(model, (ids_BT,))
+        loss.backward()
     for p in model.parameters():
         p.grad = None
 
@@ -140,16 +158,17 @@ def time_variant(model: Transformer, ids_BT: torch.Tensor, args: argparse.Namesp
     """(median seconds per fwd+bwd, peak bytes allocated during the timed iterations)."""
     device = ids_BT.device
     train = TrainConfig(amp_dtype="bf16" if device.type == "cuda" else "none",
-                        recompute=args.recompute)  # fmt: skip
+                        recompute=args.recompute, cuda_graph=args.cuda_graph)  # fmt: skip
+    graphs = StepGraphs(model, lm_loss, train) if args.cuda_graph else None
     for _ in range(args.warmup):
-        fwd_bwd(model, ids_BT, train)
+        fwd_bwd(model, ids_BT, train, graphs)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        fwd_bwd(model, ids_BT, train)
+        fwd_bwd(model, ids_BT, train, graphs)
         sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -250,19 +269,22 @@ def main() -> None:
     for r in rows.values():
         r["mfu"] = {k: r["tflops"] * 1e12 / peak for k, peak in peaks.items()}
     print(f"device={args.device} sizes={size} recompute={args.recompute} compile={args.compile} "
+          f"cuda_graph={args.cuda_graph} residual={args.residual_dtype} "
           f"mhc_kernels={args.mhc_kernels} torch={torch.__version__}")  # fmt: skip
     print_table(rows, peaks)
     overhead = ratios(rows)
     for name, value in overhead.items():
         print(f"{name:<22} {value:.3f}x time")
     report = dict(device=args.device, torch=torch.__version__, sizes=size,
-                  recompute=args.recompute, compile=args.compile, threads=torch.get_num_threads(),
+                  recompute=args.recompute, compile=args.compile, cuda_graph=args.cuda_graph,
+                  residual_dtype=args.residual_dtype, threads=torch.get_num_threads(),
                   mhc_kernels=args.mhc_kernels, experts=args.experts or (4 if args.quick else 32),
                   peak_flops=peaks, variants=rows, ratios=overhead,
                   flops_formula="6*N_matmul + 12*(num_layers+M)*T*D per token")  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     suffix = ("-moe" if args.moe else "") + ("-compile" if args.compile else "")
+    suffix += "-graph" if args.cuda_graph else ""
     suffix += ("-quick" if args.quick else "") + ("-eager" if args.mhc_kernels == "eager" else "")
     out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,16 @@ class SupervisedBatch(NamedTuple):
     def to(self, device: torch.device | str) -> SupervisedBatch:
         return SupervisedBatch(self.input_ids.to(device), self.loss_mask.to(device))
 
+    def padded(self, length: int, pad_id: int) -> SupervisedBatch:
+        """Right-padded to `length` tokens: pad ids, mask False. The padding is not a target and,
+        under the causal mask, no earlier position attends to it, so losses do not change."""
+        T = self.input_ids.shape[1]
+        if length < T:
+            raise ValueError(f"length={length} is shorter than the batch's {T} tokens")
+        pad = (0, length - T)
+        ids_BT = torch.nn.functional.pad(self.input_ids, pad, value=pad_id)
+        return SupervisedBatch(ids_BT, torch.nn.functional.pad(self.loss_mask, pad, value=False))
+
 
 def build_supervised_batch(problems: Sequence[Problem], tokenizer: Tokenizer) -> SupervisedBatch:
     """Token ids of [bos] prompt answer [eos], right-padded to the longest, and the answer mask."""

@@ -38,6 +38,7 @@ class TrainConfig:
     recompute: RecomputeMode = "none"  # "full": every block and MTP depth (apply_recompute)
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
     compile: bool = False  # torch.compile every block and MTP block (train/recompute.py)
+    cuda_graph: bool = False  # supervised steps replay forward + backward from CUDA graphs
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -62,6 +63,9 @@ class TrainConfig:
         check(isinstance(self.compile, bool), "compile", self.compile, "must be a bool")
         check(not (self.compile and self.recompute == "full"), "compile", self.compile,
               "compiling recomputed blocks is not supported: use recompute='none'")  # fmt: skip
+        check(isinstance(self.cuda_graph, bool), "cuda_graph", self.cuda_graph, "must be a bool")
+        check(not (self.cuda_graph and self.recompute == "full"), "cuda_graph", self.cuda_graph,
+              "a CUDA graph replays no reclaim: use recompute='none'")  # fmt: skip
         rc = self.reclaim
         check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
 

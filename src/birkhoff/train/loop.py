@@ -12,6 +12,8 @@ Design choices:
   with the engine instead.
 - The final checkpoint goes to `out_dir/checkpoint` (atomic, see checkpoint.py; sharded, see
   dcp.py, when launched by torchrun).
+- `TrainConfig.cuda_graph`: each step's forward + backward replays a CUDA graph
+  (train/graph.py), batches right-padded to a bucket of lengths (`SupervisedBatch.padded`).
 - Under torchrun (birkhoff.train.distributed) the model is sharded with FSDP2 and every rank
   trains on its contiguous share of the rows of the step's global batch; rank 0 writes the log.
 Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
@@ -42,11 +44,12 @@ from birkhoff.train.distributed import (
     shard_model,
     take_rows,
 )
+from birkhoff.train.graph import StepGraphs, bucketed_length
 from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.progress import Progress
 from birkhoff.train.recompute import build_model
-from birkhoff.train.step import answer_accuracy, model_device, train_step
+from birkhoff.train.step import answer_accuracy, model_device, supervised_loss, train_step
 
 NUM_EVAL_PROBLEMS = 256
 
@@ -70,13 +73,18 @@ def supervised_steps(
     """Run the supervised steps `steps`, yielding each one's metrics row (phase "sft")."""
     device, ctx = model_device(model), current()
     rows = rank_share(cfg.batch_size, ctx.rank, ctx.world_size)
+    graphs = StepGraphs(model, supervised_loss, cfg) if cfg.cuda_graph else None
+    max_len = getattr(model, "cfg").max_seq_len if graphs is not None else 0  # noqa: B009
     for step in steps:
         reset_peak_memory(device)
         batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
                                step=step)  # fmt: skip
         batch = (take_rows(batch, rows) if ctx.world_size > 1 else batch).to(device)
+        if graphs is not None:  # few lengths, few graphs
+            length = bucketed_length(batch.input_ids.shape[1], max_len)
+            batch = batch.padded(length, tokenizer.pad_id)
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, batch, cfg, step=step)
+        metrics = train_step(model, optimizer, batch, cfg, step=step, graphs=graphs)
         timings = {"train_s": time.perf_counter() - start, **memory_metrics(device)}
         yield {"phase": "sft", "step": step, **metrics, **reduce_floats(timings, "max", device)}
 

@@ -50,6 +50,7 @@ from birkhoff.train.optim import lr_at, set_lr
 
 Metrics = dict[str, float | Tensor]
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, Metrics]]
+GraphedStep = Callable[[Any], tuple[Tensor, Metrics]]  # batch -> (loss, metrics), grads set
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -57,14 +58,18 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 @contextmanager
-def forward_context(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
-    """Autocast (bf16 on CUDA) and recompute tracking (cfg.recompute == "full") for a forward."""
+def forward_context(model: nn.Module, cfg: TrainConfig, *, graphed: bool = False) -> Iterator[None]:
+    """Autocast (bf16 on CUDA) and recompute tracking (cfg.recompute == "full") for a forward.
+
+    `graphed`: a forward captured in a CUDA graph (train/graph.py): autocast keeps no cache of
+    weight casts (a cached cast would outlive the capture)."""
     with ExitStack() as stack:
         if cfg.amp_dtype == "bf16":
             device = model_device(model)
             if device.type != "cuda":
                 raise ValueError(f"amp_dtype='bf16' needs a CUDA model; the model is on {device}")
-            stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+            autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed)
+            stack.enter_context(autocast)
         if cfg.recompute == "full":
             stack.enter_context(track_saved_storages())
         yield
@@ -135,22 +140,30 @@ def train_step(
     *,
     step: int,
     loss_fn: LossFn | None = None,
+    graphs: GraphedStep | None = None,
 ) -> dict[str, float]:
     """Forward + loss + backward + clip + AdamW step at the lr of `step`; returns float metrics.
 
     Keys: loss, the loss_fn's metrics (default: main_loss, mtp_loss_k, mtp_loss, token_acc,
     seq_acc), grad_norm (before clipping), lr, skipped (1.0 if the step was not applied).
+    `graphs` (a `train.graph.StepGraphs`, which holds its own loss) replays forward + loss +
+    backward from a CUDA graph instead of running them.
     """
     if step < 0:
         raise ValueError(f"step={step} is invalid: must be >= 0")
+    if graphs is not None and loss_fn is not None:
+        raise ValueError("pass loss_fn or graphs, not both: the graphs were built with their loss")
     model.train()
     lr = lr_at(step, cfg)
     set_lr(optimizer, lr)
     optimizer.zero_grad(set_to_none=True)
-    with forward_context(model, cfg):
-        loss, metrics = (loss_fn or supervised_loss)(model, batch)
     num_ranks = world_size()
-    (loss * num_ranks if num_ranks > 1 else loss).backward()  # FSDP2 averages over ranks
+    if graphs is not None:
+        loss, metrics = graphs(batch)
+    else:
+        with forward_context(model, cfg):
+            loss, metrics = (loss_fn or supervised_loss)(model, batch)
+        (loss * num_ranks if num_ranks > 1 else loss).backward()  # FSDP2 averages over ranks
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

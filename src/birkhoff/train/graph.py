@@ -1,0 +1,162 @@
+"""The training step's forward, loss and backward replayed from one CUDA graph per batch shape.
+
+With every block compiled the step's kernels are fast, but the host launches them one by one
+and enters each compiled region and compiled backward in Python; at h200-small's size the
+device then waits for the host (docs/results.md). `StepGraphs` captures forward + loss +
+backward once per batch shape and replays it with one launch, so the step runs at the device's
+pace. Clipping, the optimizer step and the metrics' host reads stay eager (`train_step`).
+
+Design choices:
+- A batch is a tuple of tensors (`SupervisedBatch`); its shapes and dtypes are the graph's
+  key. Each call copies the batch into the graph's static inputs and replays. A batch with a
+  non-tensor field is a ValueError: a graph would keep the value it was captured with.
+- Capture: `num_warmup` eager forward + backward passes on a side stream (compiled regions
+  compile, cuBLAS and Triton initialise), their gradients dropped, then the capture itself;
+  the first real step is the first replay. Autocast runs without its weight-cast cache in
+  every graphed pass (`forward_context(..., graphed=True)`): a cached cast would be a tensor of
+  the capture's pool read outside it.
+- Gradients: the capture's backward allocates every `.grad` in the graph's memory pool; each
+  replay rewrites those tensors in place and the call points `param.grad` at them again. So
+  `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a
+  call's loss, metrics and gradients are valid until the next call (train_step reads them
+  first). Metrics must be tensors for the same reason.
+- At most `max_graphs` graphs are kept (each holds its step's activation memory); the least
+  recently used one is dropped, with its pool, when another shape arrives. The supervised loop
+  pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few shapes.
+- One process, no recompute: a capture replays no Python, so neither the saved-storage
+  registry of safe reclaim nor FSDP2's hooks would run (ValueError for both).
+Left out: graphing the optimizer step, GRPO updates (their batches change shape every step),
+data parallel.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from birkhoff.train.config import TrainConfig
+from birkhoff.train.distributed import world_size
+from birkhoff.train.step import LossFn, Metrics, forward_context, model_device
+
+LENGTH_BUCKET = 64  # the supervised loop pads T to a multiple of this (train/loop.py)
+Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def bucketed_length(num_tokens: int, cap: int) -> int:
+    """`num_tokens` rounded up to a multiple of LENGTH_BUCKET, but at most `cap` (the model's
+    max_seq_len; num_tokens <= cap)."""
+    return min(-(-num_tokens // LENGTH_BUCKET) * LENGTH_BUCKET, max(cap, num_tokens))
+
+
+def batch_signature(batch: tuple[object, ...]) -> Signature:
+    """(shape, dtype) of every field of `batch`; ValueError for a field that is not a tensor."""
+    if not isinstance(batch, tuple):
+        raise ValueError(f"a graphed step takes a tuple of tensors; got {type(batch).__name__}")
+    names = getattr(batch, "_fields", None) or [str(i) for i in range(len(batch))]
+    signature = []
+    for name, value in zip(names, batch, strict=True):
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"batch field {name!r} is a {type(value).__name__}, not a tensor: a CUDA graph "
+                "would replay the value it was captured with"
+            )
+        signature.append((tuple(value.shape), value.dtype))
+    return tuple(signature)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # static copies of the batch
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    grads: list[tuple[nn.Parameter, Tensor]]  # each parameter's gradient in the graph's pool
+
+
+class StepGraphs:
+    """Forward + `loss_fn` + backward of `model`, captured per batch signature and replayed."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        cfg: TrainConfig,
+        *,
+        num_warmup: int = 3,
+        max_graphs: int = 4,
+    ) -> None:
+        device = model_device(model)
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a CUDA model; the model is on {device}")
+        if cfg.recompute != "none":
+            raise ValueError(f"cuda_graph needs recompute='none'; got {cfg.recompute!r}")
+        if world_size() > 1:
+            raise ValueError(f"cuda_graph runs in one process; the world size is {world_size()}")
+        if num_warmup < 1 or max_graphs < 1:
+            raise ValueError(f"num_warmup={num_warmup}, max_graphs={max_graphs}: both must be >= 1")
+        self.model, self.loss_fn, self.cfg = model, loss_fn, cfg
+        self.num_warmup, self.max_graphs = num_warmup, max_graphs
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs: OrderedDict[Signature, _Graph] = OrderedDict()
+
+    def __call__(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
+        """(loss, metrics) of `batch`, gradients in `.grad`: all valid until the next call."""
+        key = batch_signature(batch)
+        held = [p for p in self.params if p.grad is not None]
+        if held:
+            raise ValueError(
+                f"{len(held)} parameters hold a gradient: a graphed step writes fresh gradients "
+                "(zero_grad(set_to_none=True) first; no accumulation)"
+            )
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(batch, key)
+        self.graphs.move_to_end(key)
+        for static, x in zip(entry.inputs, batch, strict=True):
+            static.copy_(x, non_blocking=True)
+        entry.graph.replay()
+        for p, grad in entry.grads:
+            p.grad = grad
+        return entry.loss, dict(entry.metrics)
+
+    def _forward_backward(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
+        with forward_context(self.model, self.cfg, graphed=True):
+            loss, metrics = self.loss_fn(self.model, batch)
+        loss.backward()
+        return loss.detach(), metrics
+
+    def _capture(self, batch: tuple[Tensor, ...], key: Signature) -> _Graph:
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)  # its graph and memory pool go with it
+        device = model_device(self.model)
+        inputs = type(batch)(*(x.to(device, copy=True) for x in batch))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.num_warmup):
+                self._forward_backward(inputs)
+                for p in self.params:
+                    p.grad = None
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                loss, metrics = self._forward_backward(inputs)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"cuda_graph: the step for batch shapes {[s for s, _ in key]} could not be "
+                f"captured ({err}); a host sync (.item(), a data-dependent shape) in the model or "
+                "the loss prevents it: train with cuda_graph=False"
+            ) from err
+        grads = [(p, p.grad) for p in self.params if p.grad is not None]
+        for p in self.params:
+            p.grad = None
+        stale = [name for name, value in metrics.items() if not isinstance(value, Tensor)]
+        if stale:
+            raise ValueError(f"metrics {stale} are not tensors: a graph cannot update them")
+        entry = _Graph(graph, inputs, loss, metrics, grads)  # type: ignore[arg-type]
+        self.graphs[key] = entry
+        return entry
