@@ -135,12 +135,18 @@ def test_graphed_compiled_fused_bf16_steps_match_plain() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_held_gradient_or_a_host_sync_fails_clearly() -> None:
+def test_bad_ids_a_held_gradient_or_a_host_sync_fail_clearly() -> None:
     model = tiny_model("cuda", mhc_kernels="eager")
     cfg = TrainConfig(cuda_graph=True)
     graphs = StepGraphs(model, supervised_loss, cfg)
     batch = addition_batch(2, 1).to("cuda")
-    next(model.parameters()).grad = torch.zeros(1, device="cuda")
+    graphs(batch)
+    model.zero_grad(set_to_none=True)
+    bad = batch._replace(input_ids=batch.input_ids.clone().fill_(10_000))
+    with pytest.raises(ValueError, match="input_ids holds token id 10000"):
+        graphs(bad)  # the captured forward does not read the ids' range: the call checks it
+    first = next(model.parameters())
+    first.grad = torch.zeros_like(first)
     with pytest.raises(ValueError, match="hold a gradient"):
         graphs(batch)
     model.zero_grad(set_to_none=True)
@@ -149,5 +155,5 @@ def test_a_held_gradient_or_a_host_sync_fails_clearly() -> None:
         loss, metrics = supervised_loss(m, b)
         return loss * float(loss), metrics  # .item() in the step: not capturable
 
-    with pytest.raises(RuntimeError, match="could not be captured"):
+    with pytest.raises(RuntimeError, match="syncs with the host"):
         StepGraphs(model, syncing_loss, cfg)(batch)

@@ -19,7 +19,8 @@ coeff_proj's PROGRAMS comes from an H200 sweep (`python benchmarks/mhc_sweep.py`
 docs/results.md; 1056 programs: coefficient forward 0.39 -> 0.23 ms), and so do the bf16x3
 dots of coeff_proj and grad_x and grad_phi's TRANS (`mhc_sweep-cuda-bf16.json`, device time
 of graph replays: coefficient forward 0.157 -> 0.067 ms, its backward's grad_x and grad_phi
--87 and -67 us); the other entries come from ptxas register counts.
+-87 and -67 us), and grad_x's 4 warps (instead of 8: coefficient fwd+bwd 0.340 -> 0.300 ms,
+`mhc_sweep-cuda-bf16-grad_x-warps.json`); the other entries come from ptxas register counts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CONFIG: dict[str, Launch] = {
     "coeff_proj_fp32": dict(BN=32, BC=32, num_warps=4, num_stages=2, PREC="ieee", PROGRAMS=528),
     "coeff_tail": dict(BN=32, num_warps=4),
     "coeff_bwd": dict(BN=16, num_warps=2),
-    "grad_x": dict(BN=64, BC=64, TOKENS=1024, num_warps=8, PREC="bf16x3"),
+    "grad_x": dict(BN=64, BC=64, TOKENS=1024, num_warps=4, PREC="bf16x3"),
     "grad_x_fp32": dict(BN=16, BC=256, num_warps=4, PREC="fma"),
     "grad_phi": dict(
         BN=64, BC=128, TOKENS=1024, num_warps=8, num_stages=3, PREC="tf32x3", TRANS=True
@@ -56,7 +57,7 @@ SWEEP: dict[str, dict[str, Launch]] = {
     "grad_x/s3": {"grad_x": dict(CONFIG["grad_x"], num_stages=3)},
     "grad_x/BN32-w4": {"grad_x": dict(CONFIG["grad_x"], BN=32, num_warps=4)},
     "grad_x/BC128": {"grad_x": dict(CONFIG["grad_x"], BC=128)},
-    "grad_x/w4": {"grad_x": dict(CONFIG["grad_x"], num_warps=4)},
+    "grad_x/w8": {"grad_x": dict(CONFIG["grad_x"], num_warps=8)},
     "coeff_proj/tf32x3": {"coeff_proj": dict(CONFIG["coeff_proj"], PREC="tf32x3")},
     "coeff_proj/BN128-w8": {"coeff_proj": dict(CONFIG["coeff_proj"], BN=128, num_warps=8)},
     "coeff_proj/s4": {"coeff_proj": dict(CONFIG["coeff_proj"], num_stages=4)},

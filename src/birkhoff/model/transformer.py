@@ -14,6 +14,9 @@ and every MTP depth (its merge and block as one unit) from outside, keeping ever
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -38,6 +41,21 @@ class TransformerOutput(NamedTuple):
     mtp_losses: list[Tensor]  # one scalar per depth; empty when M = 0
 
 
+_CHECK_VALUES: ContextVar[bool] = ContextVar("check_token_values", default=True)
+
+
+@contextmanager
+def token_values_unchecked() -> Iterator[None]:
+    """Inside, `check_token_ids` checks dtype and shape only. Reading the ids' range is a host
+    sync, which a CUDA graph capture cannot do; the capturing caller (train/graph.py) checks every
+    batch it replays."""
+    token = _CHECK_VALUES.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_VALUES.reset(token)
+
+
 def check_token_ids(ids: Tensor, *, name: str, vocab_size: int, max_seq_len: int) -> None:
     """Boundary check for token-id batches: 2-D integer, non-empty, in vocabulary, not too long."""
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
@@ -46,6 +64,8 @@ def check_token_ids(ids: Tensor, *, name: str, vocab_size: int, max_seq_len: int
         raise ValueError(f"{name} is empty: shape {tuple(ids.shape)}")
     if ids.shape[1] > max_seq_len:
         raise ValueError(f"{name} has length {ids.shape[1]} > max_seq_len={max_seq_len}")
+    if not _CHECK_VALUES.get():
+        return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name} holds token id {lo if lo < 0 else hi} outside [0, {vocab_size})")

@@ -8,13 +8,19 @@ pace. Clipping, the optimizer step and the metrics' host reads stay eager (`trai
 
 Design choices:
 - A batch is a tuple of tensors (`SupervisedBatch`); its shapes and dtypes are the graph's
-  key. Each call copies the batch into the graph's static inputs and replays. A batch with a
-  non-tensor field is a ValueError: a graph would keep the value it was captured with.
+  key. Each call checks the batch (`check_batch`; by default every integer field as token ids
+  of the model, `check_token_ids`), copies it into the graph's static inputs and replays. A
+  batch with a non-tensor field is a ValueError: a graph would keep the value it was captured
+  with.
 - Capture: `num_warmup` eager forward + backward passes on a side stream (compiled regions
   compile, cuBLAS and Triton initialise), their gradients dropped, then the capture itself;
-  the first real step is the first replay. Autocast runs without its weight-cast cache in
-  every graphed pass (`forward_context(..., graphed=True)`): a cached cast would be a tensor of
-  the capture's pool read outside it.
+  the first real step is the first replay. The last warm-up pass runs under
+  `torch.cuda.set_sync_debug_mode("error")`, so a host sync in the model or the loss fails
+  there, naming the op, instead of invalidating the capture. The graphed passes skip the
+  model's own read of the ids' range (`token_values_unchecked`: a host sync); `check_batch`
+  does it for every replayed batch. Autocast runs without its weight-cast cache
+  (`forward_context(..., graphed=True)`): a cached cast would be a tensor of the capture's pool
+  read outside it.
 - Gradients: the capture's backward allocates every `.grad` in the graph's memory pool; each
   replay rewrites those tensors in place and the call points `param.grad` at them again. So
   `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a
@@ -31,12 +37,16 @@ data parallel.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from birkhoff.config import ModelConfig
+from birkhoff.model.transformer import check_token_ids, token_values_unchecked
 from birkhoff.train.config import TrainConfig
 from birkhoff.train.distributed import world_size
 from birkhoff.train.step import LossFn, Metrics, forward_context, model_device
@@ -67,6 +77,32 @@ def batch_signature(batch: tuple[object, ...]) -> Signature:
     return tuple(signature)
 
 
+def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
+    """The default `check_batch`: every int32/int64 field of a batch holds token ids of `model`."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError("a model without a ModelConfig .cfg needs an explicit check_batch")
+
+    def check(batch: tuple[Tensor, ...]) -> None:
+        names = getattr(batch, "_fields", None) or [str(i) for i in range(len(batch))]
+        for name, x in zip(names, batch, strict=True):
+            if x.dtype in (torch.int32, torch.int64):
+                check_token_ids(x, name=name, vocab_size=cfg.vocab_size,
+                                max_seq_len=cfg.max_seq_len)  # fmt: skip
+
+    return check
+
+
+@contextlib.contextmanager
+def _syncs_fail() -> Iterator[None]:
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -87,6 +123,7 @@ class StepGraphs:
         *,
         num_warmup: int = 3,
         max_graphs: int = 4,
+        check_batch: Callable[[tuple[Tensor, ...]], None] | None = None,
     ) -> None:
         device = model_device(model)
         if device.type != "cuda":
@@ -99,12 +136,14 @@ class StepGraphs:
             raise ValueError(f"num_warmup={num_warmup}, max_graphs={max_graphs}: both must be >= 1")
         self.model, self.loss_fn, self.cfg = model, loss_fn, cfg
         self.num_warmup, self.max_graphs = num_warmup, max_graphs
+        self.check_batch = check_batch or token_ids_check(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: OrderedDict[Signature, _Graph] = OrderedDict()
 
     def __call__(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
         """(loss, metrics) of `batch`, gradients in `.grad`: all valid until the next call."""
         key = batch_signature(batch)
+        self.check_batch(batch)
         held = [p for p in self.params if p.grad is not None]
         if held:
             raise ValueError(
@@ -123,7 +162,7 @@ class StepGraphs:
         return entry.loss, dict(entry.metrics)
 
     def _forward_backward(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
-        with forward_context(self.model, self.cfg, graphed=True):
+        with token_values_unchecked(), forward_context(self.model, self.cfg, graphed=True):
             loss, metrics = self.loss_fn(self.model, batch)
         loss.backward()
         return loss.detach(), metrics
@@ -132,25 +171,29 @@ class StepGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)  # its graph and memory pool go with it
         device = model_device(self.model)
-        inputs = type(batch)(*(x.to(device, copy=True) for x in batch))
+        copies = [x.to(device, copy=True) for x in batch]
+        inputs = type(batch)(*copies) if hasattr(batch, "_fields") else tuple(copies)
+        shapes = [s for s, _ in key]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(self.num_warmup):
-                self._forward_backward(inputs)
+            for i in range(self.num_warmup):
+                try:
+                    with _syncs_fail() if i == self.num_warmup - 1 else contextlib.nullcontext():
+                        self._forward_backward(inputs)
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"cuda_graph: the step for batch shapes {shapes} syncs with the host "
+                        f"({err}); a CUDA graph cannot capture it: train with cuda_graph=False"
+                    ) from err
                 for p in self.params:
                     p.grad = None
         torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up's blocks are cached for the side stream only
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                loss, metrics = self._forward_backward(inputs)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"cuda_graph: the step for batch shapes {[s for s, _ in key]} could not be "
-                f"captured ({err}); a host sync (.item(), a data-dependent shape) in the model or "
-                "the loss prevents it: train with cuda_graph=False"
-            ) from err
+        with torch.cuda.graph(graph):
+            loss, metrics = self._forward_backward(inputs)
         grads = [(p, p.grad) for p in self.params if p.grad is not None]
         for p in self.params:
             p.grad = None
