@@ -160,10 +160,12 @@ def time_variant(model: Transformer, ids_BT: torch.Tensor, args: argparse.Namesp
     train = TrainConfig(amp_dtype="bf16" if device.type == "cuda" else "none",
                         recompute=args.recompute, cuda_graph=args.cuda_graph)  # fmt: skip
     graphs = StepGraphs(model, lm_loss, train) if args.cuda_graph else None
+    if graphs is not None:  # the peak then includes the graph's pool, allocated at capture
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args.warmup):
         fwd_bwd(model, ids_BT, train, graphs)
     sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and graphs is None:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(iters):
