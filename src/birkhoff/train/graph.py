@@ -18,9 +18,10 @@ Design choices:
   `torch.cuda.set_sync_debug_mode("error")`, so a host sync in the model or the loss fails
   there, naming the op, instead of invalidating the capture. The graphed passes skip the
   model's own read of the ids' range (`token_values_unchecked`: a host sync); `check_batch`
-  does it for every replayed batch. Autocast runs without its weight-cast cache
-  (`forward_context(..., graphed=True)`): a cached cast would be a tensor of the capture's pool
-  read outside it.
+  does it for every replayed batch. Autocast is entered and left inside the capture
+  (`forward_context`), so its cache of weight casts lives and dies within one replay, and the
+  graphed step keeps the plain step's numerics (a tied weight's two uses still share one cast,
+  whose gradient sums in bf16).
 - Gradients: the capture's backward allocates every `.grad` in the graph's memory pool; each
   replay rewrites those tensors in place and the call points `param.grad` at them again. So
   `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a
@@ -162,7 +163,7 @@ class StepGraphs:
         return entry.loss, dict(entry.metrics)
 
     def _forward_backward(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
-        with token_values_unchecked(), forward_context(self.model, self.cfg, graphed=True):
+        with token_values_unchecked(), forward_context(self.model, self.cfg):
             loss, metrics = self.loss_fn(self.model, batch)
         loss.backward()
         return loss.detach(), metrics

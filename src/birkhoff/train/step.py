@@ -58,18 +58,14 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 @contextmanager
-def forward_context(model: nn.Module, cfg: TrainConfig, *, graphed: bool = False) -> Iterator[None]:
-    """Autocast (bf16 on CUDA) and recompute tracking (cfg.recompute == "full") for a forward.
-
-    `graphed`: a forward captured in a CUDA graph (train/graph.py): autocast keeps no cache of
-    weight casts (a cached cast would outlive the capture)."""
+def forward_context(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
+    """Autocast (bf16 on CUDA) and recompute tracking (cfg.recompute == "full") for a forward."""
     with ExitStack() as stack:
         if cfg.amp_dtype == "bf16":
             device = model_device(model)
             if device.type != "cuda":
                 raise ValueError(f"amp_dtype='bf16' needs a CUDA model; the model is on {device}")
-            autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed)
-            stack.enter_context(autocast)
+            stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
         if cfg.recompute == "full":
             stack.enter_context(track_saved_storages())
         yield
