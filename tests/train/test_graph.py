@@ -159,3 +159,41 @@ def test_bad_ids_a_held_gradient_or_a_host_sync_fail_clearly() -> None:
 
     with pytest.raises(RuntimeError, match="syncs with the host"):
         StepGraphs(model, syncing_loss, cfg)(batch)
+
+
+def test_the_supervised_loop_pads_batches_for_its_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With cuda_graph the loop hands StepGraphs batches padded to a multiple of 64 tokens (so
+    a run sees few shapes) and its rows equal the plain loop's. StepGraphs is replaced by an
+    eager stand-in here (capture needs CUDA): what is checked is the loop's wiring."""
+    from birkhoff.train import loop
+
+    seen: list[tuple[int, ...]] = []
+
+    class EagerGraphs:
+        def __init__(self, model: torch.nn.Module, loss_fn, cfg: TrainConfig) -> None:
+            self.model, self.loss_fn = model, loss_fn
+
+        def __call__(self, batch: SupervisedBatch):
+            seen.append(tuple(batch.input_ids.shape))
+            loss, metrics = self.loss_fn(self.model, batch)
+            loss.backward()
+            return loss.detach(), metrics
+
+    def rows(cfg: TrainConfig) -> list[dict[str, float]]:
+        model = tiny_model(mhc_kernels="eager").double()
+        task, opt = AdditionTask(2), build_optimizer(model, cfg)
+        out = loop.supervised_steps(model, opt, task, CharTokenizer(), cfg, steps=range(3))
+        return [{k: v for k, v in r.items() if not k.endswith("_s") and "mem" not in k}
+                for r in out]  # fmt: skip
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=3, batch_size=4)
+    plain = rows(cfg)
+    monkeypatch.setattr(loop, "StepGraphs", EagerGraphs)
+    graphed = rows(cfg.replace(cuda_graph=True))
+    assert seen and all(T == 64 for _, T in seen), seen  # addition prompts are < 64 tokens
+    assert len(graphed) == len(plain)
+    for g, p in zip(graphed, plain, strict=True):
+        assert g.keys() == p.keys()
+        for key, value in p.items():
+            assert g[key] == (pytest.approx(value, rel=1e-9, abs=1e-12) if isinstance(
+                value, float) else value), key  # fmt: skip
