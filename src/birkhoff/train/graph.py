@@ -27,9 +27,15 @@ Design choices:
   `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a
   call's loss, metrics and gradients are valid until the next call (train_step reads them
   first). Metrics must be tensors for the same reason.
-- At most `max_graphs` graphs are kept (each holds its step's activation memory); the least
-  recently used one is dropped, with its pool, when another shape arrives. The supervised loop
-  pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few shapes.
+- Memory: every graph of a `StepGraphs` captures into one shared pool, so graphs of several
+  shapes hold about one step's activations, not one each. That is safe because replays run
+  one at a time on one stream and a replay reads nothing the pool holds from before it (its
+  inputs, parameters and buffers live outside the pool; gradients are written, not
+  accumulated), while another graph's replay may overwrite its outputs: hence "valid until
+  the next call" (the engine's graphs share their pool the same way). At most `max_graphs`
+  graphs are kept; the least recently used one is dropped when another shape arrives. The
+  supervised loop pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few
+  shapes.
 - One process, no recompute: a capture replays no Python, so neither the saved-storage
   registry of safe reclaim nor FSDP2's hooks would run (ValueError for both).
 Left out: graphing the optimizer step, GRPO updates (their batches change shape every step),
@@ -140,6 +146,7 @@ class StepGraphs:
         self.check_batch = check_batch or token_ids_check(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: OrderedDict[Signature, _Graph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every capture (docstring)
 
     def __call__(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
         """(loss, metrics) of `batch`, gradients in `.grad`: all valid until the next call."""
@@ -170,7 +177,7 @@ class StepGraphs:
 
     def _capture(self, batch: tuple[Tensor, ...], key: Signature) -> _Graph:
         while len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)  # its graph and memory pool go with it
+            self.graphs.popitem(last=False)  # its memory goes back to the shared pool
         device = model_device(self.model)
         copies = [x.to(device, copy=True) for x in batch]
         inputs = type(batch)(*copies) if hasattr(batch, "_fields") else tuple(copies)
@@ -193,11 +200,17 @@ class StepGraphs:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the warm-up's blocks are cached for the side stream only
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss, metrics = self._forward_backward(inputs)
-        grads = [(p, p.grad) for p in self.params if p.grad is not None]
-        for p in self.params:
-            p.grad = None
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                loss, metrics = self._forward_backward(inputs)
+            grads = [(p, p.grad) for p in self.params if p.grad is not None]
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"cuda_graph: capturing the step for batch shapes {shapes} failed ({err})"
+            ) from err
+        finally:
+            for p in self.params:
+                p.grad = None
         stale = [name for name, value in metrics.items() if not isinstance(value, Tensor)]
         if stale:
             raise ValueError(f"metrics {stale} are not tensors: a graph cannot update them")
