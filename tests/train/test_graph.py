@@ -114,6 +114,27 @@ def test_graphed_steps_equal_plain_steps_in_fp64(max_graphs: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_moved_parameter_is_captured_again() -> None:
+    """`p.data = ...` moves a parameter: the graphs read the old address, so the next call must
+    capture again and give the plain step's result on the new values."""
+    plain = tiny_model("cuda", mhc_kernels="eager").double()
+    graphed = copy.deepcopy(plain)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=4, cuda_graph=True)
+    graphs = StepGraphs(graphed, supervised_loss, cfg)
+    opt_p, opt_g = build_optimizer(plain, cfg), build_optimizer(graphed, cfg)
+    batch = addition_batch(8, 1).to("cuda")
+    for step in range(3):
+        if step == 2:  # the same new values in both models, at a new address in `graphed`
+            for model in (plain, graphed):
+                model.embed.weight.data = model.embed.weight.data * 0.5
+        expected = train_step(plain, opt_p, batch, cfg, step=step)
+        assert train_step(graphed, opt_g, batch, cfg, step=step, graphs=graphs) == expected
+    for a, b in zip(plain.parameters(), graphed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_graphed_compiled_fused_bf16_steps_match_plain() -> None:
     """The benchmark's configuration: fused mHC kernels, compiled blocks, bf16 autocast and
     bf16 streams. Graphs replay the same kernels, so the steps agree bit for bit. (Attention

@@ -36,6 +36,9 @@ Design choices:
   graphs are kept; the least recently used one is dropped when another shape arrives. The
   supervised loop pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few
   shapes.
+- Weights: a graph reads every parameter and buffer at the address it was captured with. Each
+  call compares those addresses with the capture's; if one moved, every graph is dropped and
+  the call captures again (never a replay of stale or freed memory).
 - One process, no recompute: a capture replays no Python, so neither the saved-storage
   registry of safe reclaim nor FSDP2's hooks would run (ValueError for both).
 Left out: graphing the optimizer step, GRPO updates (their batches change shape every step),
@@ -144,14 +147,26 @@ class StepGraphs:
         self.model, self.loss_fn, self.cfg = model, loss_fn, cfg
         self.num_warmup, self.max_graphs = num_warmup, max_graphs
         self.check_batch = check_batch or token_ids_check(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self.graphs: OrderedDict[Signature, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()  # shared by every capture (docstring)
+        self.params: list[nn.Parameter] = []
+        self.addresses: tuple[int, ...] = ()
+
+    def _track_weights(self) -> None:
+        """Drop every graph when a parameter or buffer no longer lives where the graphs read
+        it (replaced, not copied into: a loaded state dict copies, `p.data = t` moves)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        addresses = tuple(t.data_ptr() for t in tensors)
+        if addresses != self.addresses:
+            self.graphs.clear()
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.addresses = addresses
 
     def __call__(self, batch: tuple[Tensor, ...]) -> tuple[Tensor, Metrics]:
         """(loss, metrics) of `batch`, gradients in `.grad`: all valid until the next call."""
         key = batch_signature(batch)
         self.check_batch(batch)
+        self._track_weights()
         held = [p for p in self.params if p.grad is not None]
         if held:
             raise ValueError(
