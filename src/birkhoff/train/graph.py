@@ -205,12 +205,15 @@ class StepGraphs:
                     with _syncs_fail() if i == self.num_warmup - 1 else contextlib.nullcontext():
                         self._forward_backward(inputs)
                 except RuntimeError as err:
+                    if "synchroniz" not in str(err):  # not sync debug mode's: the step's own
+                        raise
                     raise RuntimeError(
                         f"cuda_graph: the step for batch shapes {shapes} syncs with the host "
                         f"({err}); a CUDA graph cannot capture it: train with cuda_graph=False"
                     ) from err
-                for p in self.params:
-                    p.grad = None
+                finally:
+                    for p in self.params:
+                        p.grad = None
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the warm-up's blocks are cached for the side stream only
