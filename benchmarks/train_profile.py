@@ -12,6 +12,7 @@ the device's idle time in one step charged to the host op whose late launch ende
   python benchmarks/train_profile.py                          # S1_M1 vs S4_M1, h200-small
   python benchmarks/train_profile.py --variants S1_M0,S4_M0 --top 40
   python benchmarks/train_profile.py --compile --residual-dtype autocast   # as train_step's
+  python benchmarks/train_profile.py --compile --residual-dtype autocast --cuda-graph
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -27,42 +29,46 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_step import RESULTS, fwd_bwd, model_config, sizes
+from train_step import RESULTS, fwd_bwd, lm_loss, model_config, sizes
 
 from birkhoff.model import Transformer
 from birkhoff.train import TrainConfig
+from birkhoff.train.graph import StepGraphs
 from birkhoff.train.recompute import compile_blocks
 
+Step = Callable[[], None]  # one forward + loss + backward of the profiled model
 
-def host_and_wall_ms(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig) -> list[float]:
+
+def host_and_wall_ms(step: Step) -> list[float]:
     """[host ms to issue one step, wall ms of the step]: equal when the host is the bound."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fwd_bwd(model, ids_BT, train)
+    step()
     issued = time.perf_counter()
     torch.cuda.synchronize()
     return [(issued - start) * 1e3, (time.perf_counter() - start) * 1e3]
 
 
-def host_ops(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+def host_ops(step: Step, top: int) -> str:
     """The ops with the most host (self CPU) time in one step, as torch.profiler's table."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fwd_bwd(model, ids_BT, train)
+        step()
         torch.cuda.synchronize()
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
-def python_hotspots(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+def python_hotspots(step: Step, top: int) -> str:
     """cProfile of one step: the Python functions with the most own time (where host time goes
     beyond the ops: wrappers, launchers, autograd glue)."""
     profiler = cProfile.Profile()
     profiler.enable()
-    fwd_bwd(model, ids_BT, train)
+    step()
     torch.cuda.synchronize()
     profiler.disable()
     out = io.StringIO()
@@ -123,10 +129,10 @@ def idle_gaps(trace: dict[str, Any], top: int) -> tuple[dict[str, float], list[t
     return totals, sorted(charges.items(), key=lambda kv: -kv[1])[:top]
 
 
-def idle_report(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig, top: int) -> str:
+def idle_report(step: Step, top: int) -> str:
     """One profiled step's idle device time, charged to the host ops that were late."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fwd_bwd(model, ids_BT, train)
+        step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -149,21 +155,23 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     if args.compile:
         compile_blocks(model)
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), device="cuda")
-    train = TrainConfig(amp_dtype="bf16")
+    train = TrainConfig(amp_dtype="bf16", cuda_graph=args.cuda_graph)
+    graphs = StepGraphs(model, lm_loss, train) if args.cuda_graph else None
+    step = functools.partial(fwd_bwd, model, ids_BT, train, graphs)
     for _ in range(3):
-        fwd_bwd(model, ids_BT, train)
-    host, wall = min(host_and_wall_ms(model, ids_BT, train) for _ in range(3))
+        step()
+    host, wall = min(host_and_wall_ms(step) for _ in range(3))
     print(f"{name}: host issues a step in {host:.1f} ms, the step takes {wall:.1f} ms")
-    print(host_ops(model, ids_BT, train, args.top_host))
+    print(host_ops(step, args.top_host))
     if args.python_profile:
-        print(python_hotspots(model, ids_BT, train, args.python_profile))
+        print(python_hotspots(step, args.python_profile))
     print(f"{name}: idle device time of one profiled step (host late = launched after idle)")
-    print(idle_report(model, ids_BT, train, args.top_host))
+    print(idle_report(step, args.top_host))
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.repeats):
-            fwd_bwd(model, ids_BT, train)
+            step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / args.repeats
     per_name: dict[str, float] = defaultdict(float)
@@ -183,6 +191,7 @@ def main(argv: list[str]) -> int:
         p.add_argument(f"--{flag}", type=int, default=None)
     p.add_argument("--residual-dtype", choices=("fp32", "autocast"), default="fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--cuda-graph", action="store_true", help="the step replayed from a CUDA graph")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--top-host", type=int, default=15, help="host ops listed per variant")

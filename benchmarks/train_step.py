@@ -142,7 +142,7 @@ def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor]) -> tuple[torch.T
 
 
 def fwd_bwd(model: Transformer, ids_BT: torch.Tensor, train: TrainConfig,
-            graphs: StepGraphs | None) -> None:  # fmt: skip
+            graphs: StepGraphs | None = None) -> None:  # fmt: skip
     if graphs is not None:
         graphs((ids_BT,))
     else:
