@@ -111,6 +111,20 @@ def test_bad_input_ids_raise(ids: torch.Tensor, match: str) -> None:
         model(ids)
 
 
+def test_unchecked_token_values_skip_only_the_range_read() -> None:
+    """Inside `token_values_unchecked` (CUDA graph capture) the ids' range is not read; dtype,
+    emptiness and length still are, and the check is back on outside."""
+    from birkhoff.model.transformer import check_token_ids, token_values_unchecked
+
+    kw = dict(name="ids", vocab_size=17, max_seq_len=4)
+    with token_values_unchecked():
+        check_token_ids(torch.full((1, 3), 99), **kw)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="max_seq_len=4"):
+            check_token_ids(torch.zeros(1, 5, dtype=torch.long), **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token id 99"):
+        check_token_ids(torch.full((1, 3), 99), **kw)  # type: ignore[arg-type]
+
+
 def test_bad_labels_and_mask_raise() -> None:
     model = Transformer(ModelConfig(vocab_size=17, dim=16, num_layers=1, num_heads=2))
     ids = torch.zeros(2, 4, dtype=torch.long)
