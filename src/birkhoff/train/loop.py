@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from birkhoff.config import ModelConfig
 from birkhoff.presets import Preset
 from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
 from birkhoff.tasks.problems import Problem, Task, get_task, held_out_rng, sample_problems
@@ -74,14 +75,15 @@ def supervised_steps(
     device, ctx = model_device(model), current()
     rows = rank_share(cfg.batch_size, ctx.rank, ctx.world_size)
     graphs = StepGraphs(model, supervised_loss, cfg) if cfg.cuda_graph else None
-    max_len = getattr(model, "cfg").max_seq_len if graphs is not None else 0  # noqa: B009
+    model_cfg = model.cfg
+    assert isinstance(model_cfg, ModelConfig), "the supervised loop needs a model carrying .cfg"
     for step in steps:
         reset_peak_memory(device)
         batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
                                step=step)  # fmt: skip
         batch = (take_rows(batch, rows) if ctx.world_size > 1 else batch).to(device)
         if graphs is not None:  # few lengths, few graphs
-            length = bucketed_length(batch.input_ids.shape[1], max_len)
+            length = bucketed_length(batch.input_ids.shape[1], model_cfg.max_seq_len)
             batch = batch.padded(length, tokenizer.pad_id)
         start = time.perf_counter()
         metrics = train_step(model, optimizer, batch, cfg, step=step, graphs=graphs)
