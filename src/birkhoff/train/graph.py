@@ -71,13 +71,17 @@ def bucketed_length(num_tokens: int, cap: int) -> int:
     return min(-(-num_tokens // LENGTH_BUCKET) * LENGTH_BUCKET, max(cap, num_tokens))
 
 
+def field_names(batch: tuple[object, ...]) -> list[str]:
+    """A NamedTuple's field names, or a plain tuple's positions as strings."""
+    return list(getattr(batch, "_fields", None) or map(str, range(len(batch))))
+
+
 def batch_signature(batch: tuple[object, ...]) -> Signature:
     """(shape, dtype) of every field of `batch`; ValueError for a field that is not a tensor."""
     if not isinstance(batch, tuple):
         raise ValueError(f"a graphed step takes a tuple of tensors; got {type(batch).__name__}")
-    names = getattr(batch, "_fields", None) or [str(i) for i in range(len(batch))]
     signature = []
-    for name, value in zip(names, batch, strict=True):
+    for name, value in zip(field_names(batch), batch, strict=True):
         if not isinstance(value, Tensor):
             raise ValueError(
                 f"batch field {name!r} is a {type(value).__name__}, not a tensor: a CUDA graph "
@@ -94,8 +98,7 @@ def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
         raise ValueError("a model without a ModelConfig .cfg needs an explicit check_batch")
 
     def check(batch: tuple[Tensor, ...]) -> None:
-        names = getattr(batch, "_fields", None) or [str(i) for i in range(len(batch))]
-        for name, x in zip(names, batch, strict=True):
+        for name, x in zip(field_names(batch), batch, strict=True):
             if x.dtype in (torch.int32, torch.int64):
                 check_token_ids(x, name=name, vocab_size=cfg.vocab_size,
                                 max_seq_len=cfg.max_seq_len)  # fmt: skip
