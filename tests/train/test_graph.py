@@ -15,7 +15,9 @@ from birkhoff.tasks.batches import SupervisedBatch, build_supervised_batch
 from birkhoff.tasks.problems import AdditionTask, sample_problems, step_rng
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, supervised_loss, train_step
-from birkhoff.train.graph import StepGraphs, batch_signature, bucketed_length
+from birkhoff.train.graph import (
+    StepGraphs, batch_signature, bucketed_length, weight_addresses, weight_slots,
+)  # fmt: skip
 from birkhoff.train.recompute import compile_blocks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,6 +93,29 @@ def run_steps(model: Transformer, cfg: TrainConfig, batches: list[SupervisedBatc
     device = next(model.parameters()).device
     return [train_step(model, opt, b.to(device), cfg, step=s, graphs=graphs)
             for s, b in enumerate(batches)]  # fmt: skip
+
+
+def test_weight_addresses_see_every_way_a_weight_moves() -> None:
+    """The per-call check behind recapture: `p.data = t`, a parameter replaced in its module and
+    a reassigned buffer change the addresses; copying new values in (a loaded state dict) and
+    an optimizer step do not."""
+    model = tiny_model(mhc_kernels="eager")
+    model.register_buffer("scale", torch.ones(3))
+    slots = weight_slots(model)
+    held = {id(registry[name]) for registry, name in slots if registry[name] is not None}
+    assert held == {id(t) for t in [*model.parameters(), *model.buffers()]}
+    start = weight_addresses(slots)
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    assert weight_addresses(slots) == start
+    moves = [
+        lambda: setattr(model.embed.weight, "data", model.embed.weight.data.clone()),
+        lambda: setattr(model.norm, "weight", torch.nn.Parameter(model.norm.weight.detach() + 1)),
+        lambda: setattr(model, "scale", torch.zeros(3)),
+    ]
+    for move in moves:
+        before = weight_addresses(slots)
+        move()
+        assert weight_addresses(slots) != before
 
 
 @pytest.mark.gpu

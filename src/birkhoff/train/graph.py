@@ -37,8 +37,9 @@ Design choices:
   supervised loop pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few
   shapes.
 - Weights: a graph reads every parameter and buffer at the address it was captured with. Each
-  call compares those addresses with the capture's; if one moved, every graph is dropped and
-  the call captures again (never a replay of stale or freed memory).
+  call compares those addresses with the capture's (read from the module slots the model had
+  when the StepGraphs was built: `weight_slots`); if one moved, every graph is dropped and the
+  call captures again (never a replay of stale or freed memory).
 - One process, no recompute: a capture replays no Python, so neither the saved-storage
   registry of safe reclaim nor FSDP2's hooks would run (ValueError for both).
 Left out: graphing the optimizer step, GRPO updates (their batches change shape every step),
@@ -106,6 +107,27 @@ def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
     return check
 
 
+WeightSlots = list[tuple[dict[str, Tensor | None], str]]
+
+
+def weight_slots(model: nn.Module) -> WeightSlots:
+    """Where each parameter and buffer of `model` is registered: (its module's `_parameters`
+    or `_buffers` dict, its name). Built once: walking the modules costs ~1 ms a call at
+    h200-small's size, reading these slots ~0.05 ms."""
+    return [
+        (registry, name)
+        for module in model.modules()
+        for registry in (module._parameters, module._buffers)
+        for name in registry
+    ]
+
+
+def weight_addresses(slots: WeightSlots) -> list[int]:
+    """The data address of the tensor in each slot (0 for an empty one): a `p.data = t`, a
+    parameter replaced in its module or a buffer reassigned all change it."""
+    return [0 if (t := registry[name]) is None else t.data_ptr() for registry, name in slots]
+
+
 @contextlib.contextmanager
 def _syncs_fail() -> Iterator[None]:
     before = torch.cuda.get_sync_debug_mode()
@@ -152,14 +174,14 @@ class StepGraphs:
         self.check_batch = check_batch or token_ids_check(model)
         self.graphs: OrderedDict[Signature, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()  # shared by every capture (docstring)
+        self.slots = weight_slots(model)
         self.params: list[nn.Parameter] = []
-        self.addresses: tuple[int, ...] = ()
+        self.addresses: list[int] = []
 
     def _track_weights(self) -> None:
         """Drop every graph when a parameter or buffer no longer lives where the graphs read
         it (replaced, not copied into: a loaded state dict copies, `p.data = t` moves)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        addresses = tuple(t.data_ptr() for t in tensors)
+        addresses = weight_addresses(self.slots)
         if addresses != self.addresses:
             self.graphs.clear()
             self.params = [p for p in self.model.parameters() if p.requires_grad]
