@@ -16,8 +16,12 @@ from birkhoff.tasks.problems import AdditionTask, sample_problems, step_rng
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, supervised_loss, train_step
 from birkhoff.train.graph import (
-    StepGraphs, batch_signature, bucketed_length, weight_addresses, weight_slots,
-)  # fmt: skip
+    StepGraphs,
+    batch_signature,
+    bucketed_length,
+    weight_addresses,
+    weight_slots,
+)
 from birkhoff.train.recompute import compile_blocks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

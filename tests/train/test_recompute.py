@@ -10,7 +10,13 @@ from birkhoff.model import Transformer
 from birkhoff.model.block import Block
 from birkhoff.recompute import track_saved_storages
 from birkhoff.train import TrainConfig
-from birkhoff.train.recompute import apply_checkpoint, apply_recompute, build_model
+from birkhoff.train.recompute import (
+    apply_checkpoint,
+    apply_recompute,
+    build_model,
+    compile_blocks,
+    compile_units,
+)
 
 CFG = ModelConfig(
     vocab_size=32, dim=32, num_layers=2, num_heads=4, num_streams=4, mtp_depth=2, max_seq_len=16
@@ -106,3 +112,21 @@ def test_build_model_applies_the_configured_policy():
         "forward" in vars(full.layers[0])
         and vars(full.mtp[0])["forward"].__func__.keywords["name"] == "mtp.0"
     )
+
+
+def test_compiled_units_trace_whole_and_keep_fp64_numbers():
+    """compile_blocks covers every block, every MTP depth with its merge, and each head's
+    contraction and norm; each traces as one graph (fullgraph: a break fails) and the compiled
+    model's fp64 loss and gradients equal the eager model's."""
+    torch._dynamo.reset()
+    eager, compiled = fresh(), fresh()
+    units = compile_units(compiled)
+    assert len(units) == CFG.num_layers + CFG.mtp_depth + 2 * (1 + CFG.mtp_depth)
+    compile_blocks(compiled, backend="aot_eager", fullgraph=True)
+    expected_loss = eager(IDS, labels=IDS).loss
+    expected_loss.backward()
+    loss = compiled(IDS, labels=IDS).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=0)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-14, msg=name)

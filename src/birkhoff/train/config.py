@@ -37,7 +37,7 @@ class TrainConfig:
     log_every: int = 10
     recompute: RecomputeMode = "none"  # "full": every block and MTP depth (apply_recompute)
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
-    compile: bool = False  # torch.compile every block and MTP block (train/recompute.py)
+    compile: bool = False  # torch.compile blocks, MTP depths, heads (train/recompute.py)
     cuda_graph: bool = False  # supervised steps replay forward + backward from CUDA graphs
 
     def __post_init__(self) -> None:

@@ -18,10 +18,13 @@ Design choices:
 - `apply_checkpoint` takes any checkpoint function with the signature
   `checkpoint_fn(fn, *args, name=...)`; benchmarks use it to put `torch.utils.checkpoint` on the
   same units.
-- `compile_blocks` runs `torch.compile` on every block and MTP block (`TrainConfig.compile`):
-  identical blocks share one compiled graph (parameters are graph inputs), and the fused mHC
-  ops are `triton_op`s, so inductor launches their kernels without a graph break. Not together
-  with recompute (the checkpointed forward's saved-tensor hooks are not traced).
+- `compile_blocks` runs `torch.compile` on every block, every MTP depth (merge and block) and
+  the output heads' contraction and norm (`TrainConfig.compile`): identical blocks share one
+  compiled graph (parameters are graph inputs), and the fused mHC ops are `triton_op`s, so
+  inductor launches their kernels without a graph break. The MTP merge is compiled with its
+  block because at S = 4 its eager norm, concatenation and their backward over [B,T,S,D] cost
+  ~2 ms of an h200-small step. Not together with recompute (the checkpointed forward's
+  saved-tensor hooks are not traced).
 Left out: selective (per-op) recompute, recomputing only every n-th block, compile with
 recompute.
 """
@@ -74,10 +77,18 @@ def apply_recompute(model: Transformer, *, reclaim: ReclaimMode = "safe") -> Tra
     return apply_checkpoint(model, functools.partial(checkpoint, reclaim=reclaim))
 
 
-def compile_blocks(model: Transformer) -> Transformer:
-    """`torch.compile` every block and every MTP depth's block, in place; returns `model`."""
-    for block in [*model.layers, *(depth.block for depth in model.mtp)]:
-        block.compile()
+def compile_units(model: Transformer) -> list[nn.Module]:
+    """What `compile_blocks` compiles: every block, every MTP depth (its merge and block as one
+    region, as recompute wraps it), and each output head's contraction and final norm."""
+    heads = [model, *model.mtp_depths]
+    return [*model.blocks, *model.mtp_depths, *(m for h in heads for m in (h.contraction, h.norm))]
+
+
+def compile_blocks(model: Transformer, **compile_kwargs: Any) -> Transformer:
+    """`torch.compile(**compile_kwargs)` every module of `compile_units`, in place; returns
+    `model`."""
+    for unit in compile_units(model):
+        unit.compile(**compile_kwargs)
     return model
 
 
