@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +107,7 @@ def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
     return check
 
 
-WeightSlots = list[tuple[dict[str, Tensor | None], str]]
+WeightSlots = list[tuple[Mapping[str, Tensor | None], str]]
 
 
 def weight_slots(model: nn.Module) -> WeightSlots:

@@ -80,8 +80,10 @@ def apply_recompute(model: Transformer, *, reclaim: ReclaimMode = "safe") -> Tra
 def compile_units(model: Transformer) -> list[nn.Module]:
     """What `compile_blocks` compiles: every block, every MTP depth (its merge and block as one
     region, as recompute wraps it), and each output head's contraction and final norm."""
-    heads = [model, *model.mtp_depths]
-    return [*model.blocks, *model.mtp_depths, *(m for h in heads for m in (h.contraction, h.norm))]
+    heads: list[nn.Module] = [model.contraction, model.norm]
+    for depth in model.mtp_depths:
+        heads += [depth.contraction, depth.norm]
+    return [*model.blocks, *model.mtp_depths, *heads]
 
 
 def compile_blocks(model: Transformer, **compile_kwargs: Any) -> Transformer:
