@@ -11,10 +11,9 @@ several threads, whose sums then cross threads at every one of the 2 t_max - 1 n
 that was most of coeff_tail's time, at decode and in training.) Programs should hold at least
 32 * num_warps tokens; fewer are computed redundantly by the spare threads (decode's one token).
 
-The arithmetic is the eager `birkhoff.model.hyper.sinkhorn`'s: row softmax, + eps, a column
-normalisation, then (t_max - 1) x (row, column), each entry times the reciprocal of its
-(sum + eps) (within an ulp of the eager division; S divisions a step instead of S*S).
-The backward reruns the forward once, keeping each normalisation's S
+The arithmetic is the eager `birkhoff.model.hyper.sinkhorn`'s, operation for operation: row
+softmax, + eps, a column normalisation, then (t_max - 1) x (row, column), each an exact division
+by (sum + eps). The backward reruns the forward once, keeping each normalisation's S
 denominators in a scratch buffer [N, 2 t_max, S] (each thread rereads only what it wrote), then
 walks back: dL/dM = (g - sum_along(g * Y)) / d for Y = M / d, and M = Y * d recovers the state
 before it, so nothing is stored per step but the denominators.
@@ -64,32 +63,23 @@ def _sums(m, S: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _along(m, v, S: tl.constexpr, ROWS: tl.constexpr):
-    """m[i, j] * v[i] (ROWS) or * v[j]."""
+def _along(m, v, S: tl.constexpr, ROWS: tl.constexpr, DIVIDE: tl.constexpr):
+    """m[i, j] / v[i] (ROWS) or / v[j]; times instead of DIVIDE is False."""
     out = ()
     for ij in tl.static_range(S * S):
-        out = out + (m[ij] * (v[ij // S] if ROWS else v[ij % S]),)
-    return out
-
-
-@triton.jit
-def _inverses(d, S: tl.constexpr):
-    out = ()
-    for a in tl.static_range(S):
-        out = out + (1.0 / d[a],)
+        d = v[ij // S] if ROWS else v[ij % S]
+        out = out + (m[ij] / d if DIVIDE else m[ij] * d,)
     return out
 
 
 @triton.jit
 def _normalise(m, eps, S: tl.constexpr, ROWS: tl.constexpr):
-    """(m with its rows or columns divided by (sum + eps), those S denominators). Each entry is
-    multiplied by its denominator's reciprocal: S divisions a step instead of S*S, which one
-    thread runs serially (decode has one token, one warp)."""
+    """(m with its rows or columns divided by (sum + eps), those S denominators)."""
     sums = _sums(m, S, ROWS)
     d = ()
     for a in tl.static_range(S):
         d = d + (sums[a] + eps,)
-    return _along(m, _inverses(d, S), S, ROWS), d
+    return _along(m, d, S, ROWS, True), d
 
 
 @triton.jit
@@ -153,7 +143,7 @@ def _step_back(g, y, d, S: tl.constexpr, ROWS: tl.constexpr):
     for ij in tl.static_range(S * S):
         dot = dots[ij // S] if ROWS else dots[ij % S]
         out = out + (g[ij] - dot,)
-    return _along(out, _inverses(d, S), S, ROWS), _along(y, d, S, ROWS)
+    return _along(out, d, S, ROWS, True), _along(y, d, S, ROWS, False)
 
 
 @triton.jit
