@@ -32,16 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# by name, not through a module alias: inductor recompiles these kernels from their source and
-# the helpers' names, in a subprocess that knows no alias
-from birkhoff.kernels.mhc_sinkhorn_triton import (
-    load_entries,
-    res_logits,
-    sinkhorn,
-    sinkhorn_bwd,
-    softmax_rows_bwd,
-    store_entries,
-)
+from birkhoff.kernels import mhc_sinkhorn_triton as SK
 
 
 @triton.jit
@@ -147,10 +138,10 @@ def coeff_tail(
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
         tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
-        z = load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
-        a = res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
-        m = sinkhorn(a, iters, hc_eps, S)
-        store_entries(res_ptr + n64 * (S * S), m, n_ok, S)
+        z = SK.load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
+        a = SK.res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
+        m = SK.sinkhorn(a, iters, hc_eps, S)
+        SK.store_entries(res_ptr + n64 * (S * S), m, n_ok, S)
 
 
 @triton.jit
@@ -193,12 +184,12 @@ def coeff_bwd(
         g_rstd += tl.sum(ga * alpha * raw, axis=1)
         alpha = tl.load(alpha_ptr + 2)
         z_row = raw_ptr + n64 * P + 2 * S
-        a = res_logits(load_entries(z_row, n_ok, S), rstd, alpha, bias_ptr + 2 * S, S)
-        g = load_entries(gres_ptr + n64 * (S * S), n_ok, S)
-        g = sinkhorn_bwd(a, g, iters, hc_eps, scr_ptr + n64 * (2 * iters * S), n_ok, S)
-        z = load_entries(z_row, n_ok, S)  # again: not held through the walk back
-        ga = softmax_rows_bwd(res_logits(z, rstd, alpha, bias_ptr + 2 * S, S), g, S)
-        store_entries(ga_ptr + n64 * P + 2 * S, ga, n_ok, S)
+        a = SK.res_logits(SK.load_entries(z_row, n_ok, S), rstd, alpha, bias_ptr + 2 * S, S)
+        g = SK.load_entries(gres_ptr + n64 * (S * S), n_ok, S)
+        g = SK.sinkhorn_bwd(a, g, iters, hc_eps, scr_ptr + n64 * (2 * iters * S), n_ok, S)
+        z = SK.load_entries(z_row, n_ok, S)  # again: not held through the walk back
+        ga = SK.softmax_rows_bwd(SK.res_logits(z, rstd, alpha, bias_ptr + 2 * S, S), g, S)
+        SK.store_entries(ga_ptr + n64 * P + 2 * S, ga, n_ok, S)
         for ij in tl.static_range(S * S):
             tl.store(graw_ptr + n64 * P + 2 * S + ij, ga[ij] * alpha * rstd, mask=n_ok)
             g_rstd += ga[ij] * alpha * z[ij]
