@@ -1,5 +1,3 @@
-# mypy: disable-error-code="assignment, misc"
-# (mypy cannot follow a tuple that grows one entry per unrolled step)
 """Sinkhorn-Knopp of one token's S x S logits inside one thread (Triton helpers).
 
 Legend: N tokens, S streams, BN tokens per program (one per thread).
@@ -38,16 +36,6 @@ def load_entries(ptr, ok, S: tl.constexpr):
 def store_entries(ptr, m, ok, S: tl.constexpr):
     for ij in tl.static_range(S * S):
         tl.store(ptr + ij, m[ij], mask=ok)
-
-
-@triton.jit
-def res_logits(z, rstd, alpha, bias_ptr, S: tl.constexpr):
-    """alpha * (z * rstd) + bias for each of the S*S res logits z (tuples of
-    [BN] vectors)."""
-    out = ()
-    for ij in tl.static_range(S * S):
-        out = out + (alpha * (z[ij] * rstd) + tl.load(bias_ptr + ij),)
-    return out
 
 
 @triton.jit

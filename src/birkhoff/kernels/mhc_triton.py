@@ -43,6 +43,16 @@ def _f32(v):
 
 
 @triton.jit
+def _res_logits(z, rstd, alpha, bias_ptr, S: tl.constexpr):
+    """alpha * (z * rstd) + bias for each of the S*S res logits z (`mhc_sinkhorn_triton`'s
+    tuple of [BN] vectors)."""
+    out = ()
+    for ij in tl.static_range(S * S):
+        out = out + (alpha * (z[ij] * rstd) + tl.load(bias_ptr + ij),)
+    return out
+
+
+@triton.jit
 def _token_sums(N, BN: tl.constexpr, PP: tl.constexpr):
     """This program's BN tokens (index, in range, int64), the logit columns, and zeroed
     accumulators of the sum of squares [BN] and the projection [BN, PP]."""
@@ -139,7 +149,7 @@ def coeff_tail(
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
         tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
         z = SK.load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
-        a = SK.res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
+        a = _res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
         m = SK.sinkhorn(a, iters, hc_eps, S)
         SK.store_entries(res_ptr + n64 * (S * S), m, n_ok, S)
 
@@ -184,11 +194,11 @@ def coeff_bwd(
         g_rstd += tl.sum(ga * alpha * raw, axis=1)
         alpha = tl.load(alpha_ptr + 2)
         z_row = raw_ptr + n64 * P + 2 * S
-        a = SK.res_logits(SK.load_entries(z_row, n_ok, S), rstd, alpha, bias_ptr + 2 * S, S)
+        a = _res_logits(SK.load_entries(z_row, n_ok, S), rstd, alpha, bias_ptr + 2 * S, S)
         g = SK.load_entries(gres_ptr + n64 * (S * S), n_ok, S)
         g = SK.sinkhorn_bwd(a, g, iters, hc_eps, scr_ptr + n64 * (2 * iters * S), n_ok, S)
         z = SK.load_entries(z_row, n_ok, S)  # again: not held through the walk back
-        ga = SK.softmax_rows_bwd(SK.res_logits(z, rstd, alpha, bias_ptr + 2 * S, S), g, S)
+        ga = SK.softmax_rows_bwd(_res_logits(z, rstd, alpha, bias_ptr + 2 * S, S), g, S)
         SK.store_entries(ga_ptr + n64 * P + 2 * S, ga, n_ok, S)
         for ij in tl.static_range(S * S):
             tl.store(graw_ptr + n64 * P + 2 * S + ij, ga[ij] * alpha * rstd, mask=n_ok)
