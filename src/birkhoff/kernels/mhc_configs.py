@@ -32,8 +32,8 @@ Launch = dict[str, int | str]
 CONFIG: dict[str, Launch] = {
     "coeff_proj": dict(BN=64, BC=64, num_warps=4, num_stages=3, PREC="bf16x3", PROGRAMS=1056),
     "coeff_proj_fp32": dict(BN=32, BC=32, num_warps=4, num_stages=2, PREC="ieee", PROGRAMS=528),
-    "coeff_tail": dict(BN=128, num_warps=4),
-    "coeff_bwd": dict(BN=64, num_warps=2),
+    "coeff_tail": dict(BN=32, num_warps=4),
+    "coeff_bwd": dict(BN=16, num_warps=2),
     "grad_x": dict(BN=64, BC=64, TOKENS=256, num_warps=4, PREC="bf16x3"),
     "grad_x_fp32": dict(BN=16, BC=256, num_warps=4, PREC="fma"),
     "grad_phi": dict(
@@ -49,10 +49,10 @@ CONFIG: dict[str, Launch] = {
 SWEEP: dict[str, dict[str, Launch]] = {
     "coeff_proj/programs2112": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=2112)},
     "coeff_proj/programs528": {"coeff_proj": dict(CONFIG["coeff_proj"], PROGRAMS=528)},
-    "coeff_tail/BN64-w2": {"coeff_tail": dict(BN=64, num_warps=2)},
-    "coeff_tail/BN256-w8": {"coeff_tail": dict(BN=256, num_warps=8)},
-    "coeff_bwd/BN128-w4": {"coeff_bwd": dict(BN=128, num_warps=4)},
-    "coeff_bwd/BN32-w1": {"coeff_bwd": dict(BN=32, num_warps=1)},
+    "coeff_tail/BN16-w2": {"coeff_tail": dict(BN=16, num_warps=2)},
+    "coeff_tail/BN64-w4": {"coeff_tail": dict(BN=64, num_warps=4)},
+    "coeff_bwd/BN32-w4": {"coeff_bwd": dict(BN=32, num_warps=4)},
+    "coeff_bwd/BN16-w1": {"coeff_bwd": dict(BN=16, num_warps=1)},
     "grad_x/fma": {"grad_x": dict(BN=16, BC=256, num_warps=4, PREC="fma")},
     "grad_x/T1024": {"grad_x": dict(CONFIG["grad_x"], TOKENS=1024)},
     "grad_x/T4096": {"grad_x": dict(CONFIG["grad_x"], TOKENS=4096)},

@@ -16,23 +16,21 @@ PP: P padded to a power of two (>= 16).
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
-  scale's gradient. The Sinkhorn (forward and backward: `mhc_sinkhorn_triton`) runs inside one
-  thread per token; its backward reruns the forward once, writing the 2 t_max - 1 denominators
-  to a scratch buffer, then walks back (O(t_max), exact unrolled-autograd gradients up to
+  scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
+  denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
+  normalisation k is the state after it times its denominators, so no state is stored and
+  nothing is recomputed from the start (O(t_max), exact unrolled-autograd gradients up to
   rounding).
 - `grad_x`, `grad_phi` (the projection's backward products): `mhc_grad_triton`.
 The bf16 dots run as fp32 dots of the same values under the Triton interpreter (EMU), whose
 bf16 dots are wrong, so the CPU tests check the split arithmetic too.
-Padded stream slots (S < SP) of the [BN, SP] vectors are masked to zero, so S need not be a power of
-two; the Sinkhorn holds exactly S*S entries.
+Padded stream slots (S < SP) are masked to zero at every step, so S need not be a power of two.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from birkhoff.kernels import mhc_sinkhorn_triton as SK
 
 
 @triton.jit
@@ -43,13 +41,70 @@ def _f32(v):
 
 
 @triton.jit
-def _res_logits(z, rstd, alpha, bias_ptr, S: tl.constexpr):
-    """alpha * (z * rstd) + bias for each of the S*S res logits z (`mhc_sinkhorn_triton`'s
-    tuple of [BN] vectors)."""
-    out = ()
-    for ij in tl.static_range(S * S):
-        out = out + (alpha * (z[ij] * rstd) + tl.load(bias_ptr + ij),)
-    return out
+def _softmax_rows(a, valid):
+    # Padded rows become uniform here and are zeroed; padded columns of real rows get exp = 0.
+    a = tl.where(valid, a, -1.0e30)
+    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
+    return tl.where(valid, e / tl.sum(e, axis=2)[:, :, None], 0.0)
+
+
+@triton.jit
+def _state_before(a, valid, k, eps):
+    """Sinkhorn state entering normalisation k (k >= 1): odd k normalise columns, even rows."""
+    m = tl.where(valid, _softmax_rows(a, valid) + eps, 0.0)
+    for step in range(1, k):
+        if step % 2 == 1:
+            m = m / (tl.sum(m, axis=1)[:, None, :] + eps)
+        else:
+            m = m / (tl.sum(m, axis=2)[:, :, None] + eps)
+    return m
+
+
+@triton.jit
+def _sinkhorn_bwd(a, g, valid, iters, eps, scr_ptr, n64, n_ok, SP: tl.constexpr):
+    """Gradient w.r.t. the logits a of Sinkhorn(a) given g = dL/dH_res.
+
+    Normalisation Y = M / d, d the row (column) sums of M + eps, has the backward
+    dL/dM = (g - sum_along(g * Y)) / d, and M = Y * d recovers its input; the row softmax p has
+    p * (g - sum(g * p)). scr_ptr: [N, 2 t_max, SP] fp32 scratch for the denominators d.
+    """
+    s = tl.arange(0, SP)[None, :]
+    scr = scr_ptr + n64[:, None] * (2 * iters * SP) + s
+    y = tl.where(valid, _softmax_rows(a, valid) + eps, 0.0)
+    for k in range(1, 2 * iters):  # the forward once, keeping each step's denominators
+        if k % 2 == 1:
+            col = tl.sum(y, axis=1) + eps
+            tl.store(scr + k * SP, col, mask=n_ok[:, None])
+            y = y / col[:, None, :]
+        else:
+            row = tl.sum(y, axis=2) + eps
+            tl.store(scr + k * SP, row, mask=n_ok[:, None])
+            y = y / row[:, :, None]
+    tl.debug_barrier()  # the loads below may read what other threads stored
+    for back in range(0, 2 * iters - 1):
+        k = 2 * iters - 1 - back
+        d = tl.load(scr + k * SP, mask=n_ok[:, None], other=1.0)
+        # (branch-local names differ: Triton requires a name bound in both branches of a
+        # runtime `if` to have one type, and the column and row vectors have different layouts)
+        if k % 2 == 1:
+            d_col = d[:, None, :]
+            g = (g - tl.sum(g * y, axis=1)[:, None, :]) / d_col
+            y = y * d_col
+        else:
+            d_row = d[:, :, None]
+            g = (g - tl.sum(g * y, axis=2)[:, :, None]) / d_row
+            y = y * d_row
+        g = tl.where(valid, g, 0.0)
+    p = _softmax_rows(a, valid)
+    return p * (g - tl.sum(g * p, axis=2)[:, :, None])
+
+
+@triton.jit
+def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
+    i = tl.arange(0, SP)[None, :, None]
+    j = tl.arange(0, SP)[None, None, :]
+    valid = n_ok[:, None, None] & (i < S) & (j < S)
+    return i * S + j, valid
 
 
 @triton.jit
@@ -148,10 +203,12 @@ def coeff_tail(
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
         tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
-        z = SK.load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
-        a = _res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
-        m = SK.sinkhorn(a, iters, hc_eps, S)
-        SK.store_entries(res_ptr + n64 * (S * S), m, n_ok, S)
+        ij, valid = _res_offsets(n64, n_ok, S, SP)
+        z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
+        b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
+        a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
+        m = _state_before(a_res, valid, 2 * iters, hc_eps)
+        tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
 
 
 @triton.jit
@@ -192,17 +249,20 @@ def coeff_bwd(
         tl.store(ga_row + S + s, ga, mask=vec_ok)
         tl.store(graw_row + S + s, ga * alpha * rstd[:, None], mask=vec_ok)
         g_rstd += tl.sum(ga * alpha * raw, axis=1)
+        ij, valid = _res_offsets(n64, n_ok, S, SP)
         alpha = tl.load(alpha_ptr + 2)
-        z_row = raw_ptr + n64 * P + 2 * S
-        a = _res_logits(SK.load_entries(z_row, n_ok, S), rstd, alpha, bias_ptr + 2 * S, S)
-        g = SK.load_entries(gres_ptr + n64 * (S * S), n_ok, S)
-        g = SK.sinkhorn_bwd(a, g, iters, hc_eps, scr_ptr + n64 * (2 * iters * S), n_ok, S)
-        z = SK.load_entries(z_row, n_ok, S)  # again: not held through the walk back
-        ga = SK.softmax_rows_bwd(_res_logits(z, rstd, alpha, bias_ptr + 2 * S, S), g, S)
-        SK.store_entries(ga_ptr + n64 * P + 2 * S, ga, n_ok, S)
-        for ij in tl.static_range(S * S):
-            tl.store(graw_ptr + n64 * P + 2 * S + ij, ga[ij] * alpha * rstd, mask=n_ok)
-            g_rstd += ga[ij] * alpha * z[ij]
+        raw3 = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
+        b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
+        a_res = alpha * (raw3 * rstd[:, None, None]) + b_res
+        g = tl.load(gres_ptr + n64[:, None, None] * (S * S) + ij, mask=valid, other=0.0)
+        ga3 = _sinkhorn_bwd(a_res, g, valid, iters, hc_eps, scr_ptr, n64, n_ok, SP)
+        tl.store(ga_ptr + n64[:, None, None] * P + 2 * S + ij, ga3, mask=valid)
+        tl.store(
+            graw_ptr + n64[:, None, None] * P + 2 * S + ij,
+            ga3 * alpha * rstd[:, None, None],
+            mask=valid,
+        )
+        g_rstd += tl.sum(tl.sum(ga3 * alpha * raw3, axis=2), axis=1)
     # rstd = (sum x^2 / C + eps)^(-1/2)  =>  d rstd / d x_c = -rstd^3 x_c / C
     tl.store(coef_ptr + n, -g_rstd * rstd * rstd * rstd / C, mask=n_ok)
 
