@@ -23,7 +23,7 @@ Design choices:
   compiled graph (parameters are graph inputs), and the fused mHC ops are `triton_op`s, so
   inductor launches their kernels without a graph break. The MTP merge is compiled with its
   block because at S = 4 its eager norm, concatenation and their backward over [B,T,S,D] cost
-  ~2 ms of an h200-small step. Not together with recompute (the checkpointed forward's
+  ~3 ms of an h200-small step. Not together with recompute (the checkpointed forward's
   saved-tensor hooks are not traced).
 Left out: selective (per-op) recompute, recomputing only every n-th block, compile with
 recompute.
@@ -83,7 +83,7 @@ def compile_units(model: Transformer) -> list[nn.Module]:
     heads: list[nn.Module] = [model.contraction, model.norm]
     for depth in model.mtp_depths:
         heads += [depth.contraction, depth.norm]
-    return [*model.blocks, *model.mtp_depths, *heads]
+    return [unit for _, unit in recompute_units(model)] + heads
 
 
 def compile_blocks(model: Transformer, **compile_kwargs: Any) -> Transformer:
