@@ -110,6 +110,9 @@ def test_weight_addresses_see_every_way_a_weight_moves() -> None:
     assert held == {id(t) for t in [*model.parameters(), *model.buffers()]}
     start = weight_addresses(slots)
     model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    ids = addition_batch(2, 1).input_ids
+    model(ids, labels=ids).loss.backward()
+    build_optimizer(model, TrainConfig()).step()
     assert weight_addresses(slots) == start
     moves = [
         lambda: setattr(model.embed.weight, "data", model.embed.weight.data.clone()),
