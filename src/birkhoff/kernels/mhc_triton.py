@@ -108,10 +108,10 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _token_sums(N, BN: tl.constexpr, PP: tl.constexpr):
-    """This program's BN tokens (index, in range, int64), the logit columns, and zeroed
+def _token_sums(block, N, BN: tl.constexpr, PP: tl.constexpr):
+    """Token block `block`'s BN tokens (index, in range, int64), the logit columns, and zeroed
     accumulators of the sum of squares [BN] and the projection [BN, PP]."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n = block * BN + tl.arange(0, BN)
     sq = tl.zeros([BN], dtype=tl.float32)
     return n, n < N, n.to(tl.int64), tl.arange(0, PP), sq, tl.zeros([BN, PP], dtype=tl.float32)
 
@@ -121,13 +121,23 @@ def coeff_proj(
     x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK,
     PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """This program's share of one pass over x: over BN tokens and the CHUNK columns (a multiple
-    of BC) of split program_id(1), the sum of squares -> sq [splits, N] and the projection
+    """`project` of token block program_id(0) and split program_id(1)."""
+    project(x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK, tl.program_id(0), tl.program_id(1),
+            PP, PREC, BN, BC, EMU)  # fmt: skip
+
+
+@triton.jit
+def project(
+    x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK, block, split,
+    PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One share of one pass over x: over the BN tokens of `block` and the CHUNK columns (a
+    multiple of BC) of `split`, the sum of squares -> sq [splits, N] and the projection
     x @ phi^T -> part [splits, N, PP]. PREC "bf16x3" (bf16 x): phit holds phi as three bf16
     terms [3, C, PP] (`phi_pad_t`, TERMS 3), each a bf16 tensor-core dot with x as stored, whose
     products are exact (~fp32 in all); otherwise phit is fp32 [C, PP] and x goes to fp32."""
-    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
-    start = tl.program_id(1) * CHUNK
+    n, n_ok, n64, p, sq, raw = _token_sums(block, N, BN, PP)
+    start = split * CHUNK
     for c0 in range(start, tl.minimum(start + CHUNK, C), BC):
         c = c0 + tl.arange(0, BC)
         ok = n_ok[:, None] & (c < C)[None, :]
@@ -142,7 +152,7 @@ def coeff_proj(
         else:
             phi_t = tl.load(tile, mask=(c < C)[:, None], other=0.0)
             raw = tl.dot(xv, phi_t, raw, input_precision=PREC)
-    row = tl.program_id(1).to(tl.int64) * N + n64
+    row = split.to(tl.int64) * N + n64
     tl.store(part_ptr + row[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + row, sq, mask=n_ok)
 
@@ -172,20 +182,35 @@ def coeff_tail(
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
     WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
-    """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
-    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
-    read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
-    one split per loop step would wait out a memory latency per split."""
+    """`coefficients` of token block program_id(0)."""
+    coefficients(
+        part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
+        tl.program_id(0), N, C, SPLITS, norm_eps, hc_eps, iters, S, SP, P, PP, WITH_RES, BN, KB, "",
+    )  # fmt: skip
+
+
+@triton.jit
+def coefficients(
+    part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
+    block, N, C, SPLITS, norm_eps, hc_eps, iters,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+    WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, LOAD: tl.constexpr,
+):  # fmt: skip
+    """Sums `project`'s splits in a fixed order (deterministic), then per token of `block`:
+    rstd, alpha and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The
+    splits are read KB at a time as one [KB, BN, PP] load (cache modifier LOAD): decode's few
+    tokens come in ~C / BC splits, and one split per loop step would wait out a memory latency
+    per split."""
     norm_eps, hc_eps = _f32(norm_eps), _f32(hc_eps)
-    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
+    n, n_ok, n64, p, sq, raw = _token_sums(block, N, BN, PP)
     kb = tl.arange(0, KB)
     for k0 in range(0, SPLITS, KB):
         row = (k0 + kb)[:, None] * N + n64[None, :]  # [KB, BN]
         ok = ((k0 + kb) < SPLITS)[:, None] & n_ok[None, :]
         part = tl.load(part_ptr + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None],
-                       other=0.0)  # fmt: skip
+                       other=0.0, cache_modifier=LOAD)  # fmt: skip
         raw += tl.sum(part, axis=0)
-        sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
+        sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=LOAD), axis=0)
     # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
     # code below reads; the barrier makes every thread's stores visible to the whole program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
