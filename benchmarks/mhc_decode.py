@@ -31,15 +31,18 @@ from birkhoff.kernels.mhc_mix import mix_out
 
 CALLS = 33
 VARIANTS: dict[str, dict[str, int | str]] = {
-    "programs64": dict(PROGRAMS=64),
-    "programs128": dict(PROGRAMS=128),
-    "programs512": dict(PROGRAMS=512),
+    "splits4": dict(SPLITS=4),
+    "splits16": dict(SPLITS=16),
+    "splits48": dict(SPLITS=48, PROGRAMS=256),
     "tail8192": dict(TAIL_ELEMENTS=8192),
     "tail2048": dict(TAIL_ELEMENTS=2048),
     "BC128": dict(BC=128),
+    "BC32": dict(BC=32),
     "BD512": dict(BD=512),
+    "BD128": dict(BD=128),
     "warps2": dict(num_warps=2),
     "warps8": dict(num_warps=8),
+    "stages2": dict(num_stages=2),
 }
 
 

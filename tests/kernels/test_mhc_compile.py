@@ -119,7 +119,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         usage[f"grad_phi/{P}"] = compile_for_h200(G.grad_phi, types, split_bf16, launch)
         cfg = dict(mhc_configs.CONFIG["mix_in_norm_fp32" if dtype == "fp32" else "mix_in_norm"])
         bn, tail = int(cfg["BN"]), int(cfg.pop("TAIL_ELEMENTS"))
-        const, launch = split({k: v for k, v in cfg.items() if k != "PROGRAMS"})
+        const, launch = split({k: v for k, v in cfg.items() if k not in ("PROGRAMS", "SPLITS")})
         prec = "ieee" if dtype == "fp32" else "tf32x3"
         usage[f"mix_in_norm/{P}"] = compile_for_h200(
             D.mix_in_norm, types | dict(w_ptr=xt, h_ptr=xt, cnt_ptr="*i32"),

@@ -112,10 +112,13 @@ TAIL_PROGRAMS = 128
 TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
 
 
-def split_columns(C: int, bc: int, blocks: int, programs: int) -> tuple[int, int]:
+def split_columns(
+    C: int, bc: int, blocks: int, programs: int, most: int | None = None
+) -> tuple[int, int]:
     """(chunk, splits): the C columns cut into splits of `chunk` columns (a multiple of bc), so
-    that `blocks` token blocks times the splits make about `programs` programs."""
-    splits = max(1, min(cdiv(C, bc), programs // blocks))
+    that `blocks` token blocks times the splits make about `programs` programs (at most `most`
+    splits)."""
+    splits = max(1, min(cdiv(C, bc), programs // blocks, most or C))
     chunk = cdiv(cdiv(C, splits), bc) * bc
     return chunk, cdiv(C, chunk)
 

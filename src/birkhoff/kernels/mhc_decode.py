@@ -14,8 +14,9 @@ code, the mix accumulated in fp32 and rounded to x's dtype before its RMS), so a
 these kernels matches one on the separate fused ops to rounding.
 
 Launch: token blocks of `CONFIG["mix_in_norm"]["BN"]` tokens (>= 16, what tl.dot needs) times
-column splits, about PROGRAMS programs in all (`mhc.split_columns`); a block's last program runs
-the per-token rest. One int32 counter per token block (`counters`): zero between launches, kept
+column splits, about PROGRAMS programs in all and at most SPLITS splits (`mhc.split_columns`:
+every split is a partial the last program waits to read); a block's last program runs the
+per-token rest. One int32 counter per token block (`counters`): zero between launches, kept
 per device and never freed (captured graphs hold their address).
 """
 
@@ -29,16 +30,19 @@ from birkhoff.kernels.mhc import split_columns
 from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import INTERPRET, cdiv, check_inputs, pad_streams, pow2
 from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi
-from birkhoff.kernels.ops import FusedOp, traceable
+from birkhoff.kernels.ops import FusedOp, traced, traceable
 
 _COUNTERS: dict[torch.device, list[Tensor]] = {}
 
 
-def counters(device: torch.device, blocks: int) -> Tensor:
-    """At least `blocks` zeroed int32 counters on `device`. Every launch leaves them zero; a
-    larger set replaces the current one, and the old ones stay allocated (a captured graph may
-    still count on them)."""
-    held = _COUNTERS.setdefault(device, [])
+def counters(like: Tensor, blocks: int) -> Tensor:
+    """At least `blocks` zeroed int32 counters on `like`'s device. Every launch leaves them
+    zero; a larger set replaces the current one, and the old ones stay allocated (a captured
+    graph may still count on them). Traced (torch.compile, fake tensors): fresh zeros, a node of
+    the traced graph, so no traced tensor is kept."""
+    if torch.compiler.is_compiling() or traced((like,)):
+        return torch.zeros(blocks, dtype=torch.int32, device=like.device)
+    held = _COUNTERS.setdefault(like.device, [])
     if not held or held[-1].numel() < blocks:
         held.append(torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
     return held[-1]
@@ -56,16 +60,16 @@ def _impl(
     fp32 = x_BTSD.dtype == torch.float32
     cfg = dict(CONFIG["mix_in_norm_fp32" if fp32 else "mix_in_norm"])
     bn, bc, programs = int(cfg.pop("BN")), int(cfg.pop("BC")), int(cfg.pop("PROGRAMS"))
-    tail = int(cfg.pop("TAIL_ELEMENTS"))
+    tail, most = int(cfg.pop("TAIL_ELEMENTS")), int(cfg.pop("SPLITS"))
     blocks = cdiv(N, bn)
-    chunk, splits = split_columns(C, bc, blocks, programs)
+    chunk, splits = split_columns(C, bc, blocks, programs, most)
     PP = padded_logits(P)
     part = x_BTSD.new_empty((splits, N, PP), dtype=torch.float32)
     sq = x_BTSD.new_empty((splits, N), dtype=torch.float32)
     raw, rstd = x_BTSD.new_empty((N, P), dtype=torch.float32), sq.new_empty((N,))
     traceable(K.mix_in_norm)[(blocks, splits)](
         x_BTSD, projection_phi(phi_PC, 1), alpha, bias_P, weight_D, part, sq, raw, rstd,
-        counters(x_BTSD.device, blocks), h, pre, post, res, N, C, D, chunk, splits, norm_eps,
+        counters(x_BTSD, blocks), h, pre, post, res, N, C, D, chunk, splits, norm_eps,
         eps, iters, S=S, SP=pad_streams(S), P=P, PP=PP, WITH_RES=with_res,
         PREC="ieee" if fp32 else "tf32x3", BN=bn, BC=bc, BD=min(int(cfg.pop("BD")), pow2(D)),
         KB=min(pow2(splits), max(1, tail // (bn * PP))), EMU=INTERPRET, **cfg,

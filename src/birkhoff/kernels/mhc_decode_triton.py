@@ -8,7 +8,7 @@ padded to a power of two (>= 16).
 (its share of the projection and of the sum of squares, as partials), then counts itself done
 on its token block's counter; the block's last program (the one that sees SPLITS - 1) sums the
 partials in a fixed order and runs `mhc_triton.coefficients` (H_pre, H_post, the Sinkhorn of
-H_res) for the block's tokens, then y = sum_j H_pre[j] x_j rounded to the output dtype, and
+H_res one token a thread: the block's tokens in parallel threads) for the block's tokens, then y = sum_j H_pre[j] x_j rounded to the output dtype, and
 h = RMSNorm(y) * w, the sublayer's normalised input. At decode sizes each of those steps was a
 launch of its own (coeff_proj, coeff_tail, mix_in, rms_norm) moving a few kilobytes: the steps
 cost launches and memory latencies, not bytes.
@@ -48,6 +48,7 @@ def mix_in_norm(
         coefficients(
             part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
             block, N, C, SPLITS, norm_eps, hc_eps, iters, S, SP, P, PP, WITH_RES, BN, KB, ".cg",
+            True,
         )  # fmt: skip
         tl.debug_barrier()  # H_pre of the block's tokens, stored by every thread
         _mix_norm(x_ptr, pre_ptr, w_ptr, h_ptr, block, N, D, norm_eps, S, BN, BD)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from birkhoff.kernels.mhc_sinkhorn_triton import load_entries, res_logits, sinkhorn, store_entries
+
 
 @triton.jit
 def _f32(v):
@@ -186,6 +188,7 @@ def coeff_tail(
     coefficients(
         part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
         tl.program_id(0), N, C, SPLITS, norm_eps, hc_eps, iters, S, SP, P, PP, WITH_RES, BN, KB, "",
+        False,
     )  # fmt: skip
 
 
@@ -195,12 +198,13 @@ def coefficients(
     block, N, C, SPLITS, norm_eps, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
     WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, LOAD: tl.constexpr,
+    THREAD: tl.constexpr,
 ):  # fmt: skip
     """Sums `project`'s splits in a fixed order (deterministic), then per token of `block`:
     rstd, alpha and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The
     splits are read KB at a time as one [KB, BN, PP] load (cache modifier LOAD): decode's few
     tokens come in ~C / BC splits, and one split per loop step would wait out a memory latency
-    per split."""
+    per split. The Sinkhorn runs on [BN, SP, SP] tiles, or (THREAD) one token a thread."""
     norm_eps, hc_eps = _f32(norm_eps), _f32(hc_eps)
     n, n_ok, n64, p, sq, raw = _token_sums(block, N, BN, PP)
     kb = tl.arange(0, KB)
@@ -228,12 +232,17 @@ def coefficients(
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
         tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
-        ij, valid = _res_offsets(n64, n_ok, S, SP)
-        z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
-        b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
-        a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
-        m = _state_before(a_res, valid, 2 * iters, hc_eps)
-        tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
+        if THREAD:  # one token a thread (mhc_sinkhorn_triton)
+            z = load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
+            a = res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
+            store_entries(res_ptr + n64 * (S * S), sinkhorn(a, iters, hc_eps, S), n_ok, S)
+        else:
+            ij, valid = _res_offsets(n64, n_ok, S, SP)
+            z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
+            b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
+            a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
+            m = _state_before(a_res, valid, 2 * iters, hc_eps)
+            tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
 
 
 @triton.jit
