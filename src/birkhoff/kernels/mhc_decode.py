@@ -30,7 +30,7 @@ from birkhoff.kernels.mhc import split_columns
 from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import INTERPRET, cdiv, check_inputs, pad_streams, pow2
 from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi
-from birkhoff.kernels.ops import FusedOp, traced, traceable
+from birkhoff.kernels.ops import FusedOp, traceable, traced
 
 _COUNTERS: dict[torch.device, list[Tensor]] = {}
 
@@ -44,7 +44,7 @@ def counters(like: Tensor, blocks: int) -> Tensor:
         return torch.zeros(blocks, dtype=torch.int32, device=like.device)
     held = _COUNTERS.setdefault(like.device, [])
     if not held or held[-1].numel() < blocks:
-        held.append(torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
+        held.append(torch.zeros(max(blocks, 4096), dtype=torch.int32, device=like.device))
     return held[-1]
 
 

@@ -7,9 +7,10 @@ padded to a power of two (>= 16).
 `mix_in_norm`: a grid of token blocks x column splits. Every program runs `mhc_triton.project`
 (its share of the projection and of the sum of squares, as partials), then counts itself done
 on its token block's counter; the block's last program (the one that sees SPLITS - 1) sums the
-partials in a fixed order and runs `mhc_triton.coefficients` (H_pre, H_post, the Sinkhorn of
-H_res one token a thread: the block's tokens in parallel threads) for the block's tokens, then y = sum_j H_pre[j] x_j rounded to the output dtype, and
-h = RMSNorm(y) * w, the sublayer's normalised input. At decode sizes each of those steps was a
+partials in a fixed order and runs `mhc_triton.coefficients` for the block's tokens (H_pre,
+H_post, and the Sinkhorn of H_res one token a thread: the tokens in parallel threads), then
+y = sum_j H_pre[j] x_j rounded to the output dtype, and h = RMSNorm(y) * w, the sublayer's
+normalised input. At decode sizes each of those steps was a
 launch of its own (coeff_proj, coeff_tail, mix_in, rms_norm) moving a few kilobytes: the steps
 cost launches and memory latencies, not bytes.
 

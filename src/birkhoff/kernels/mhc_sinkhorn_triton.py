@@ -125,4 +125,3 @@ def sinkhorn(a, iters, eps, S: tl.constexpr):
         m, _ = _normalise(m, eps, S, True)
         m, _ = _normalise(m, eps, S, False)
     return m
-
