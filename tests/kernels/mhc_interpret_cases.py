@@ -17,7 +17,6 @@ from mhc_cases import (
     check_hyper,
     check_sublayer,
 )
-from mhc_decode_cases import DECODE_CASES, check_mix_in_norm, check_rejects_a_misshaped_weight
 from mhc_model_cases import check_safe_reclaim, check_train_step
 
 from birkhoff.kernels.mhc_configs import CONFIG, SWEEP
@@ -230,14 +229,3 @@ def test_train_step_fused_matches_eager() -> None:
 
 def test_checkpointed_blocks_rerun_fused_kernels_under_safe_reclaim() -> None:
     check_safe_reclaim("cpu", shape=(1, 5))
-
-
-@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("with_res", [True, False], ids=["sublayer", "contraction"])
-def test_mix_in_norm_matches_the_eager_ops(case: Case, dtype: torch.dtype, with_res: bool) -> None:
-    check_mix_in_norm(case, "cpu", dtype, with_res)
-
-
-def test_mix_in_norm_rejects_a_misshaped_weight() -> None:
-    check_rejects_a_misshaped_weight("cpu")

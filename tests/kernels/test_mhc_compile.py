@@ -73,8 +73,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
-    from birkhoff.kernels import mhc, mhc_configs, mhc_mix
-    from birkhoff.kernels import mhc_decode_triton as D
+    from birkhoff.kernels import mhc, mhc_mix
     from birkhoff.kernels import mhc_grad_triton as G
     from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
@@ -117,15 +116,6 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
         usage[f"grad_phi/{P}"] = compile_for_h200(G.grad_phi, types, split_bf16, launch)
-        cfg = dict(mhc_configs.CONFIG["mix_in_norm_fp32" if dtype == "fp32" else "mix_in_norm"])
-        bn, tail = int(cfg["BN"]), int(cfg.pop("TAIL_ELEMENTS"))
-        const, launch = split({k: v for k, v in cfg.items() if k not in ("PROGRAMS", "SPLITS")})
-        prec = "ieee" if dtype == "fp32" else "tf32x3"
-        usage[f"mix_in_norm/{P}"] = compile_for_h200(
-            D.mix_in_norm, types | dict(w_ptr=xt, h_ptr=xt, cnt_ptr="*i32"),
-            consts | const | dict(PP=PP, PREC=prec, KB=max(1, tail // (bn * PP)), EMU=False),
-            launch,
-        )  # fmt: skip
         for terms in (1, 3):
             usage[f"phi_pad_t/{P}/{terms}"] = compile_for_h200(
                 K.phi_pad_t,

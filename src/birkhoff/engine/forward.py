@@ -14,10 +14,7 @@ expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the e
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
 on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
-ops forward-only: a step needs no gradient), elsewhere as the eager reference. Fused, a
-sublayer's coefficients, mix in and pre-norm are one launch (`kernels.mhc_decode.mix_in_norm`,
-the same Triton code as the trainer's coefficient op), as are the output contraction and the
-final norm.
+ops forward-only: a step needs no gradient), elsewhere as the eager reference.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
@@ -141,31 +138,14 @@ def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Te
 
 
 def hyper(
-    x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, norm_weight: Tensor,
-    sublayer: Callable[[Tensor], Tensor],
-) -> Tensor:  # fmt: skip
-    """One mHC-wrapped sublayer with its pre-norm, F(RMSNorm(.) * norm_weight) (S = 1: the plain
-    residual x + F(RMSNorm(x))). With fused kernels the coefficients, the mix in and the norm
-    are one launch (`kernels.mhc_decode.mix_in_norm`), then F and the fused mix out."""
-    kernels, eps = cfg.mhc_kernels, cfg.norm_eps
-
-    def normed(h_ATD: Tensor) -> Tensor:
-        return sublayer(rms_norm(h_ATD, norm_weight, eps, kernels=kernels))
-
+    x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, sublayer: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x))."""
     if cfg.num_streams == 1:
-        return plain_residual(x_ATSD, normed)
-    phi, alpha, bias = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
-    if use_fused(x_ATSD, kernels):
-        from birkhoff.kernels import mhc_decode, mhc_mix
-
-        h_ATD, _, post, res = mhc_decode.mix_in_norm(
-            x_ATSD, phi, alpha, bias, norm_weight, iters=cfg.sinkhorn_iters, norm_eps=eps,
-            eps=cfg.mhc_eps,
-        )  # fmt: skip
-        return mhc_mix.mix_out(x_ATSD, sublayer(h_ATD), post, res)
+        return plain_residual(x_ATSD, sublayer)
     return hyper_connection(
-        x_ATSD, phi, alpha, bias, normed, iters=cfg.sinkhorn_iters, norm_eps=eps,
-        eps=cfg.mhc_eps, kernels=kernels,
+        x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"], sublayer,
+        iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
     )  # fmt: skip
 
 
@@ -173,32 +153,32 @@ def block(
     x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, cache: KVCache, layer: int,
     chunk: Chunk,
 ) -> Tensor:  # fmt: skip
-    x_ATSD = hyper(
-        x_ATSD, w, prefix + "hc_attn.", cfg, w[prefix + "attn_norm.weight"],
-        lambda h_ATD: attention(h_ATD, w, prefix, cfg, cache, layer, chunk),
-    )  # fmt: skip
+    eps = cfg.norm_eps
+
+    def attn(h_ATD: Tensor) -> Tensor:
+        h_ATD = rms_norm(h_ATD, w[prefix + "attn_norm.weight"], eps, kernels=cfg.mhc_kernels)
+        return attention(h_ATD, w, prefix, cfg, cache, layer, chunk)
+
+    x_ATSD = hyper(x_ATSD, w, prefix + "hc_attn.", cfg, attn)
     return hyper(
-        x_ATSD, w, prefix + "hc_mlp.", cfg, w[prefix + "mlp_norm.weight"],
-        lambda h_ATD: feed_forward(h_ATD, w, prefix, cfg),
+        x_ATSD, w, prefix + "hc_mlp.", cfg,
+        lambda h_ATD: feed_forward(
+            rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps, kernels=cfg.mhc_kernels),
+            w, prefix, cfg),
     )  # fmt: skip
 
 
 def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
-    """Output contraction of the streams, then the final norm: the lm_head input [A,T,D] (with
-    fused kernels one launch, as a sublayer's entry)."""
-    norm_weight, eps, kernels = w[prefix + "norm.weight"], cfg.norm_eps, cfg.mhc_kernels
+    """Output contraction of the streams, then the final norm: the lm_head input [A,T,D]."""
     if cfg.num_streams == 1:
-        return rms_norm(single_stream(x_ATSD), norm_weight, eps, kernels=kernels)
-    phi, alpha, bias = (w[prefix + f"contraction.{name}"] for name in ("phi", "alpha", "bias"))
-    if use_fused(x_ATSD, kernels):
-        from birkhoff.kernels import mhc_decode
-
-        return mhc_decode.mix_in_norm(
-            x_ATSD, phi, alpha, bias, norm_weight, iters=0, norm_eps=eps, eps=cfg.mhc_eps,
-            with_res=False,
-        )[0]  # fmt: skip
-    h_ATD = contract(x_ATSD, phi, alpha, bias, norm_eps=eps, eps=cfg.mhc_eps, kernels=kernels)
-    return rms_norm(h_ATD, norm_weight, eps, kernels=kernels)
+        h_ATD = single_stream(x_ATSD)
+    else:
+        h_ATD = contract(
+            x_ATSD, w[prefix + "contraction.phi"], w[prefix + "contraction.alpha"],
+            w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
+            kernels=cfg.mhc_kernels,
+        )  # fmt: skip
+    return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps, kernels=cfg.mhc_kernels)
 
 
 def lm_head(h_AD: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:

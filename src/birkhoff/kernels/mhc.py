@@ -64,7 +64,6 @@ from birkhoff.kernels.ops import FusedOp, traceable
 __all__ = [
     "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
     "contraction_weights", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
-    "split_columns",
 ]  # fmt: skip
 
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
@@ -112,17 +111,6 @@ TAIL_PROGRAMS = 128
 TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
 
 
-def split_columns(
-    C: int, bc: int, blocks: int, programs: int, most: int | None = None
-) -> tuple[int, int]:
-    """(chunk, splits): the C columns cut into splits of `chunk` columns (a multiple of bc), so
-    that `blocks` token blocks times the splits make about `programs` programs (at most `most`
-    splits)."""
-    splits = max(1, min(cdiv(C, bc), programs // blocks, most or C))
-    chunk = cdiv(cdiv(C, splits), bc) * bc
-    return chunk, cdiv(C, chunk)
-
-
 def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor, Tensor, int]:
     """coeff_proj's partial (projection [splits, N, PP], sum of squares [splits, N], splits):
     the columns are split until the grid has about CONFIG's PROGRAMS programs. PREC "bf16x3"
@@ -133,7 +121,9 @@ def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor
         cfg["PREC"] = "tf32x3"
     bn = _token_block(cfg, N)
     bc, blocks = int(cfg.pop("BC")), cdiv(N, bn)
-    chunk, splits = split_columns(C, bc, blocks, int(cfg.pop("PROGRAMS")))
+    splits = max(1, min(cdiv(C, bc), int(cfg.pop("PROGRAMS")) // blocks))
+    chunk = cdiv(cdiv(C, splits), bc) * bc
+    splits = cdiv(C, chunk)
     part = x_BTSD.new_empty((splits, N, PP), dtype=torch.float32)
     sq = x_BTSD.new_empty((splits, N), dtype=torch.float32)
     cfg["BN"] = bn

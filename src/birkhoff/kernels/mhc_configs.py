@@ -43,12 +43,6 @@ CONFIG: dict[str, Launch] = {
         BN=32, BC=64, TOKENS=512, num_warps=4, num_stages=2, PREC="ieee", TRANS=False
     ),
     "mix": dict(BN=8, BD=128, num_warps=4),
-    "mix_in_norm": dict(
-        BN=16, BC=64, BD=256, num_warps=4, PROGRAMS=128, SPLITS=8, TAIL_ELEMENTS=4096
-    ),
-    "mix_in_norm_fp32": dict(
-        BN=16, BC=32, BD=256, num_warps=4, PROGRAMS=128, SPLITS=8, TAIL_ELEMENTS=4096
-    ),
 }
 
 # variant name -> {CONFIG key: entry replacing CONFIG[key]}, timed by the sweep one at a time.

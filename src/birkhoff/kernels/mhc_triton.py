@@ -32,8 +32,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from birkhoff.kernels.mhc_sinkhorn_triton import load_entries, res_logits, sinkhorn, store_entries
-
 
 @triton.jit
 def _f32(v):
@@ -110,10 +108,10 @@ def _res_offsets(n64, n_ok, S: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _token_sums(block, N, BN: tl.constexpr, PP: tl.constexpr):
-    """Token block `block`'s BN tokens (index, in range, int64), the logit columns, and zeroed
+def _token_sums(N, BN: tl.constexpr, PP: tl.constexpr):
+    """This program's BN tokens (index, in range, int64), the logit columns, and zeroed
     accumulators of the sum of squares [BN] and the projection [BN, PP]."""
-    n = block * BN + tl.arange(0, BN)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
     sq = tl.zeros([BN], dtype=tl.float32)
     return n, n < N, n.to(tl.int64), tl.arange(0, PP), sq, tl.zeros([BN, PP], dtype=tl.float32)
 
@@ -123,23 +121,13 @@ def coeff_proj(
     x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK,
     PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """`project` of token block program_id(0) and split program_id(1)."""
-    project(x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK, tl.program_id(0), tl.program_id(1),
-            PP, PREC, BN, BC, EMU)  # fmt: skip
-
-
-@triton.jit
-def project(
-    x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK, block, split,
-    PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """One share of one pass over x: over the BN tokens of `block` and the CHUNK columns (a
-    multiple of BC) of `split`, the sum of squares -> sq [splits, N] and the projection
+    """This program's share of one pass over x: over BN tokens and the CHUNK columns (a multiple
+    of BC) of split program_id(1), the sum of squares -> sq [splits, N] and the projection
     x @ phi^T -> part [splits, N, PP]. PREC "bf16x3" (bf16 x): phit holds phi as three bf16
     terms [3, C, PP] (`phi_pad_t`, TERMS 3), each a bf16 tensor-core dot with x as stored, whose
     products are exact (~fp32 in all); otherwise phit is fp32 [C, PP] and x goes to fp32."""
-    n, n_ok, n64, p, sq, raw = _token_sums(block, N, BN, PP)
-    start = split * CHUNK
+    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
+    start = tl.program_id(1) * CHUNK
     for c0 in range(start, tl.minimum(start + CHUNK, C), BC):
         c = c0 + tl.arange(0, BC)
         ok = n_ok[:, None] & (c < C)[None, :]
@@ -154,7 +142,7 @@ def project(
         else:
             phi_t = tl.load(tile, mask=(c < C)[:, None], other=0.0)
             raw = tl.dot(xv, phi_t, raw, input_precision=PREC)
-    row = split.to(tl.int64) * N + n64
+    row = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + row[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + row, sq, mask=n_ok)
 
@@ -184,37 +172,20 @@ def coeff_tail(
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
     WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
-    """`coefficients` of token block program_id(0)."""
-    coefficients(
-        part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
-        tl.program_id(0), N, C, SPLITS, norm_eps, hc_eps, iters, S, SP, P, PP, WITH_RES, BN, KB, "",
-        False,
-    )  # fmt: skip
-
-
-@triton.jit
-def coefficients(
-    part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
-    block, N, C, SPLITS, norm_eps, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-    WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, LOAD: tl.constexpr,
-    THREAD: tl.constexpr,
-):  # fmt: skip
-    """Sums `project`'s splits in a fixed order (deterministic), then per token of `block`:
-    rstd, alpha and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The
-    splits are read KB at a time as one [KB, BN, PP] load (cache modifier LOAD): decode's few
-    tokens come in ~C / BC splits, and one split per loop step would wait out a memory latency
-    per split. The Sinkhorn runs on [BN, SP, SP] tiles, or (THREAD) one token a thread."""
+    """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
+    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
+    read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
+    one split per loop step would wait out a memory latency per split."""
     norm_eps, hc_eps = _f32(norm_eps), _f32(hc_eps)
-    n, n_ok, n64, p, sq, raw = _token_sums(block, N, BN, PP)
+    n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
     kb = tl.arange(0, KB)
     for k0 in range(0, SPLITS, KB):
         row = (k0 + kb)[:, None] * N + n64[None, :]  # [KB, BN]
         ok = ((k0 + kb) < SPLITS)[:, None] & n_ok[None, :]
         part = tl.load(part_ptr + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None],
-                       other=0.0, cache_modifier=LOAD)  # fmt: skip
+                       other=0.0)  # fmt: skip
         raw += tl.sum(part, axis=0)
-        sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=LOAD), axis=0)
+        sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
     # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
     # code below reads; the barrier makes every thread's stores visible to the whole program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
@@ -232,17 +203,12 @@ def coefficients(
         z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
         a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
         tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
-        if THREAD:  # one token a thread (mhc_sinkhorn_triton)
-            z = load_entries(raw_ptr + n64 * P + 2 * S, n_ok, S)
-            a = res_logits(z, rstd, tl.load(alpha_ptr + 2), bias_ptr + 2 * S, S)
-            store_entries(res_ptr + n64 * (S * S), sinkhorn(a, iters, hc_eps, S), n_ok, S)
-        else:
-            ij, valid = _res_offsets(n64, n_ok, S, SP)
-            z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
-            b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
-            a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
-            m = _state_before(a_res, valid, 2 * iters, hc_eps)
-            tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
+        ij, valid = _res_offsets(n64, n_ok, S, SP)
+        z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
+        b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
+        a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
+        m = _state_before(a_res, valid, 2 * iters, hc_eps)
+        tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
 
 
 @triton.jit

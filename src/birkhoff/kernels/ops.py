@@ -47,7 +47,7 @@ def traceable(kernel: Any) -> Any:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def traced(args: tuple[Any, ...]) -> bool:
+def _traced(args: tuple[Any, ...]) -> bool:
     """Whether a tracer sees this call (a dispatch mode such as fake tensors or make_fx is on,
     or a tensor is a subclass such as a functional or fake tensor): the custom op then, as the
     tracer must see one node, not the kernels (AOT autograd traces a registered backward so)."""
@@ -94,7 +94,7 @@ class FusedOp:
         )
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or traced(args):
+        if torch.compiler.is_compiling() or _traced(args):
             return self.op(*args)
         outer, _direct.on = getattr(_direct, "on", False), True
         try:
