@@ -94,9 +94,11 @@ def check_engine_greedy(device: str, *, num_new: int = 8) -> None:
         assert all((engine.weights[n] is engine.committed[n]) == (kernels == "eager") for n in phis)
         plain = engine.generate(prompts, SamplingParams(num_new))
         spec = engine.generate(prompts, SamplingParams(num_new, num_speculative_tokens=2))
-        tokens[kernels] = ([c.tokens for c in plain], [c.tokens for c in spec])
+        single = engine.generate(prompts[1:2], SamplingParams(num_new))  # one row: gemv
+        tokens[kernels] = ([c.tokens for c in plain], [c.tokens for c in spec], single[0].tokens)
     assert tokens["triton"] == tokens["eager"]
     assert tokens["triton"][0] == tokens["triton"][1]  # greedy speculative == plain
+    assert tokens["triton"][2] == tokens["triton"][0][1]  # alone as in a batch
 
 
 def check_safe_reclaim(device: str, *, shape: tuple[int, int] = (2, 12)) -> None:

@@ -1,5 +1,5 @@
-"""Fused RMSNorm and rope against the eager functions under the Triton interpreter on CPU (run
-by test_mhc_interpret.py in a fresh process)."""
+"""Fused RMSNorm, rope and the one-row matmul against the eager functions under the Triton
+interpreter on CPU (run by test_mhc_interpret.py in a fresh process)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from gemv_cases import DTYPES, GEMV_CASES, check_gemv, check_gemv_rejects
 from mhc_model_cases import check_engine_greedy
 from norm_rope_cases import (
     NORM_CASES,
@@ -79,7 +80,8 @@ def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
 
 def test_engine_steps_run_the_fused_per_token_ops() -> None:
     """With fused kernels the engine's prefill, decode and speculative steps call the fused
-    attention prologue, decode attention and SwiGLU (no silent fallback to the eager ops)."""
+    attention prologue, decode attention and SwiGLU, and a one-row step the fused matmul (no
+    silent fallback to the eager ops)."""
     from collections import Counter
 
     from mhc_model_cases import build_model, tiny_config
@@ -100,6 +102,21 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
     engine = Engine.from_model(model, device="cpu", dtype=torch.float32)
     with Calls() as calls:
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
+    assert calls.seen["gemv"] == 0  # two rows: cuBLAS
+    with Calls() as calls:
+        engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
+        engine.generate([[6, 7]], SamplingParams(3))
     for op in ("rope_cache", "decode_attention", "silu_mul", "rms_norm", "mhc_coefficients"):
         assert calls.seen[op] > 0, (op, calls.seen)
+    assert calls.seen["gemv"] > 0  # a batch-1 decode step's projections
     assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_matches_linear(case: tuple, dtype: torch.dtype) -> None:
+    check_gemv("cpu", case, dtype)
+
+
+def test_gemv_rejects_more_rows_and_strided_rows() -> None:
+    check_gemv_rejects("cpu")

@@ -1,10 +1,11 @@
-"""Fused RMSNorm and rope on CUDA against the eager functions (the engine greedy check with every
-fused op is test_mhc_gpu.py's)."""
+"""Fused RMSNorm, rope and the one-row matmul on CUDA against the eager functions (the engine
+greedy check with every fused op is test_mhc_gpu.py's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gemv_cases import DTYPES, GEMV_CASES, check_gemv, check_gemv_rejects
 from norm_rope_cases import (
     NORM_CASES,
     ROPE_CASES,
@@ -41,3 +42,23 @@ def test_rope_cache_matches_rope_and_cache_write(
 @pytest.mark.parametrize(("dtype", "F"), SILU_CASES)
 def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
     check_silu_mul("cuda", dtype, F)
+
+
+DECODE_SHAPES = [((1, 1), 2304, 768, True), ((1,), 768, 2048, False)]  # h200-small's
+
+
+@pytest.mark.parametrize("case", GEMV_CASES + DECODE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_matches_linear(case: tuple, dtype: torch.dtype) -> None:
+    check_gemv("cuda", case, dtype)
+
+
+def test_gemv_rejects_more_rows_and_strided_rows() -> None:
+    check_gemv_rejects("cuda")
+
+
+def test_gemv_custom_op_registration() -> None:
+    from birkhoff.kernels.gemv import gemv
+
+    args = (torch.randn(1, 40, device="cuda"), torch.randn(24, 40, device="cuda"), None)
+    torch.library.opcheck(gemv, args)

@@ -93,7 +93,8 @@ def attention(
     attn = prefix + "attn."
     # the fused projection (and bias): [A,T,H*K | G*K | G*K]
     qkv_bias = attn + "wqkv.bias" if cfg.qkv_bias else None
-    q, k, v = linear(x_ATD, w, attn + "wqkv.weight", bias=qkv_bias).split([H * K, G * K, G * K], -1)
+    qkv = linear(x_ATD, w, attn + "wqkv.weight", bias=qkv_bias, kernels=kernels)
+    q, k, v = qkv.split([H * K, G * K, G * K], -1)
     q_ATHK, k_ATGK = q.view(A, T, H, K), k.view(A, T, G, K)
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
         q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
@@ -122,12 +123,14 @@ def attention(
             q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
         ).transpose(1, 2)
     out_bias = attn + "wo.bias" if cfg.attn_out_bias else None
-    return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias)
+    return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias,
+                  kernels=kernels)  # fmt: skip
 
 
 def mlp(x_ATD: Tensor, w: Weights, prefix: str, kernels: str) -> Tensor:
-    gate_up_ATF2 = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight")
-    return linear(swiglu_halves(gate_up_ATF2, kernels=kernels), w, prefix + "mlp.w_down.weight")
+    gate_up_ATF2 = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight", kernels=kernels)
+    h_ATF = swiglu_halves(gate_up_ATF2, kernels=kernels)
+    return linear(h_ATF, w, prefix + "mlp.w_down.weight", kernels=kernels)
 
 
 def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
@@ -183,7 +186,8 @@ def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> 
 
 def lm_head(h_AD: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:
     """Logits [..., V] of hidden states [..., D] (any leading dims)."""
-    return linear(h_AD, w, "embed.weight" if cfg.tie_embeddings else "lm_head.weight")
+    name = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+    return linear(h_AD, w, name, kernels=cfg.mhc_kernels)
 
 
 def main_forward(
@@ -207,7 +211,7 @@ def mtp_forward(
     x_ATSD = mtp_merge(
         h_prev_ATSD, F.embedding(tokens_AT, w["embed.weight"]), w[prefix + "hidden_norm.weight"],
         w[prefix + "embed_norm.weight"], eps=cfg.norm_eps,
-        project=lambda merged: linear(merged, w, prefix + "proj.weight"),
+        project=lambda merged: linear(merged, w, prefix + "proj.weight", kernels=cfg.mhc_kernels),
     )  # fmt: skip
     x_ATSD = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk)
     return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)

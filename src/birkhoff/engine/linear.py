@@ -4,8 +4,10 @@ Every projection reads its weight from the engine's weight dict by name, so repl
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
 fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
 `fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
-first. Left out: caching the dequantized weights between calls. `weight` is the lookup with
-dequantization for callers that do their own matmuls (the stacked experts of engine/moe.py).
+first. With fused kernels on, an unquantized matmul of one activation row (batch-1 decode) is
+`kernels.gemv` (cuBLAS's tiles left most of the GPU idle there). Left out: caching the
+dequantized weights between calls. `weight` is the lookup with dequantization for callers that
+do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import Tensor
 
 from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
+from birkhoff.kernels import use_fused
 
 
 def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
@@ -27,13 +30,21 @@ def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
     return w
 
 
-def linear(x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None) -> Tensor:
+def linear(
+    x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None,
+    kernels: str = "eager",
+) -> Tensor:  # fmt: skip
     """x @ W^T (+ b) with W = weights[name] (block fp8 if it has a scale: fp8 matmul or
-    dequantized) and b = weights[bias] when a bias name is given (biases are never quantized)."""
+    dequantized) and b = weights[bias] when a bias name is given (biases are never quantized).
+    `kernels` (`birkhoff.kernels.use_fused`): a single row goes to the fused `kernels.gemv`."""
     w = weights[name]
     b = None if bias is None else weights[bias]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is None:
+        if x.numel() == x.shape[-1] and use_fused(x, kernels) and w.stride(-1) == 1:
+            from birkhoff.kernels.gemv import gemv
+
+            return gemv(x, w, b)  # type: ignore[no-any-return]
         return F.linear(x, w, b)
     if fp8_matmul.supported(x):
         out = fp8_matmul.fp8_linear(x, w, scale_inv)

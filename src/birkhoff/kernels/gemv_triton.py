@@ -1,0 +1,37 @@
+"""Triton kernel of the engine's one-row matmul: y = W x (+ b) for a single activation row.
+
+Legend: N output features, K input features; W [N, K] row-major (nn.Linear's layout).
+
+`gemv`: each program owns BN output features and reads their BN rows of W in [BN, BK] tiles
+(contiguous along K: coalesced), multiplies by x's matching BK elements and sums along K in
+fp32, then adds the bias and rounds once to y's dtype. No tensor cores: one row has nothing to
+reuse a weight for, so the kernel is a stream over W, and small BN spreads that stream over
+many programs (N / BN). At batch 1 cuBLAS picks tiles of 64 or more output features over the
+whole K, which leaves most of the GPU idle on the h200-small shapes (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)

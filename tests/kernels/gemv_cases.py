@@ -1,0 +1,48 @@
+"""Checks of the fused one-row matmul `kernels.gemv` against F.linear, shared by the
+interpreter (CPU) and the CUDA tests.
+
+Tolerances: fp32 within 2e-5 of max(1, |y|) (fp32 sums in another order); bf16 / fp16 within
+2^-6 of max(1, |y|) (both round an fp32 sum once: one ulp apart where the sums straddle a
+rounding boundary).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from birkhoff.kernels.gemv import gemv
+
+# (leading shape of x, N, K, bias): one K tile and several, N not a multiple of BN, K odd
+GEMV_CASES = [((1,), 24, 40, False), ((1, 1), 7, 300, True), ((1, 1, 1), 2001, 64, True),
+              ((1, 1), 5, 3001, False), ((1,), 1, 1, True)]  # fmt: skip
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
+    lead, N, K, with_bias = case
+    g = torch.Generator().manual_seed(N * K)
+    x = torch.randn(*lead, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if with_bias else None
+    y = gemv(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (*lead, N) and y.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2.0**-6
+    err = ((y.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+    assert err <= tol, (err, tol)
+    if K > 1:  # a column slice of W: its rows are strided, each row still contiguous
+        half, cut = x[..., : K // 2], w[:, : K // 2]
+        got, ref = gemv(half, cut, b).float(), F.linear(half.float(), cut.float())
+        if b is not None:
+            ref = ref + b.float()
+        assert ((got - ref).abs() / ref.abs().clamp(min=1)).max().item() <= tol
+
+
+def check_gemv_rejects(device: str) -> None:
+    w = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="not one row"):
+        gemv(torch.randn(2, 8, device=device), w, None)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        gemv(torch.randn(1, 4, device=device), w.t(), None)
