@@ -4,9 +4,9 @@ Legend: N output features, K input features; W [N, K] row-major (nn.Linear's lay
 
 `gemv`: each program owns BN output features and reads their BN rows of W in [BN, BK] tiles
 (contiguous along K: coalesced), multiplies by x's matching BK elements and sums each tile
-along K in fp32, then adds the bias and rounds once to y's dtype. No tensor cores: one row has nothing to
-reuse a weight for, so the kernel is a stream over W, and small BN spreads that stream over
-many programs (N / BN). At batch 1 cuBLAS picks tiles of 64 or more output features over the
+along K in fp32, then adds the bias and rounds once to y's dtype. No tensor cores: one row has
+nothing to reuse a weight for, so the kernel is a stream over W, and small BN spreads that
+stream over many programs (N / BN). At batch 1 cuBLAS picks tiles of 64 or more output features over the
 whole K, which leaves most of the GPU idle on the h200-small shapes (docs/results.md).
 """
 
