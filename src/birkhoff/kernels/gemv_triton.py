@@ -6,8 +6,8 @@ Legend: N output features, K input features; W [N, K] row-major (nn.Linear's lay
 (contiguous along K: coalesced), multiplies by x's matching BK elements and sums each tile
 along K in fp32, then adds the bias and rounds once to y's dtype. No tensor cores: one row has
 nothing to reuse a weight for, so the kernel is a stream over W, and small BN spreads that
-stream over many programs (N / BN). At batch 1 cuBLAS picks tiles of 64 or more output features over the
-whole K, which leaves most of the GPU idle on the h200-small shapes (docs/results.md).
+stream over many programs (N / BN). At batch 1 cuBLAS's kernels took 4-7.5 us a projection on
+the h200-small shapes streamed from HBM, ~0.5-1.3 TB/s (benchmarks/gemv.py, docs/results.md).
 """
 
 from __future__ import annotations
