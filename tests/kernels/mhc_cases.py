@@ -232,3 +232,46 @@ def check_bf16_streams_keep_fp32_precision(c: Case, device: str, truncates: bool
     ulp = (rounded.float().abs() * 2.0**-7).clamp_min(2.0**-14 * g_x_ref.abs().max().item())
     assert ((g_x.float() - rounded.float()).abs() <= ulp).all(), "g_x off by more than an ulp"
     assert differs < 0.02, f"{differs:.1%} of g_x differ from the rounded fp32 gradient"
+
+
+def check_coefficients_beside(
+    c: Case, device: str, dtype: torch.dtype = torch.float32, *, graphed: bool = False
+) -> None:
+    """The engine's split entry (`mhc.coefficients_beside`: H_post and H_res on a side stream
+    on CUDA) gives the one op's y, H_post, H_res and mix out bit for bit; graphed: captured in
+    a CUDA graph (fork and join as graph edges) and replayed on new streams."""
+    from birkhoff.kernels import mhc
+
+    inp = make_inputs(c, device, dtype)
+    x_in, coefficients = inp["x"].clone(), (inp["phi"], inp["alpha"], inp["bias"])
+    opts = dict(iters=c.iters, norm_eps=1e-6, eps=1e-6)
+    side = torch.cuda.Stream(device) if device == "cuda" else None
+
+    def beside() -> list[Tensor]:
+        x, y, post, res, read = mhc.coefficients_beside(x_in, *coefficients, stream=side, **opts)
+        f = torch.tanh(y + inp["f_in"])
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        del read
+        return [y, post, res, mhc.mix_out(x, f, post, res)]
+
+    with torch.no_grad():
+        if graphed:
+            graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+            capture.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(capture):
+                beside()  # warm up (compiles) off the capture
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, stream=capture):
+                    outs = beside()
+            x_in.copy_(torch.randn_like(x_in))  # the replay must read the new streams
+            graph.replay()
+            torch.cuda.synchronize()
+            got = [t.clone() for t in outs]
+        else:
+            got = beside()
+        y, _, post, res = mhc.coefficients_and_mix_in(x_in, *coefficients, **opts)
+        ref = [y, post, res, mhc.mix_out(x_in, torch.tanh(y + inp["f_in"]), post, res)]
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape)
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())

@@ -13,6 +13,7 @@ from mhc_cases import (
     case_id,
     check_bf16_streams_keep_fp32_precision,
     check_both_streams_gradients_matter,
+    check_coefficients_beside,
     check_contraction,
     check_hyper,
     check_sublayer,
@@ -35,6 +36,11 @@ def test_hyper_fused_matches_eager(case: Case) -> None:
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 7, 10, 11)], ids=case_id)
 def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
     check_hyper(case, "cpu", joint=True)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 5, 6, 9, 10)], ids=case_id)
+def test_coefficients_beside_equal_the_one_op(case: Case) -> None:
+    check_coefficients_beside(case, "cpu")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -10,6 +10,7 @@ from mhc_cases import (
     Case,
     case_id,
     check_bf16_streams_keep_fp32_precision,
+    check_coefficients_beside,
     check_contraction,
     check_hyper,
     check_sublayer,
@@ -36,6 +37,12 @@ def test_hyper_fused_matches_eager(case: Case, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case, dtype: torch.dtype) -> None:
     check_hyper(case, "cuda", dtype, joint=True)
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_coefficients_beside_equal_the_one_op(case: Case, graphed: bool) -> None:
+    check_coefficients_beside(case, "cuda", torch.bfloat16, graphed=graphed)
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)

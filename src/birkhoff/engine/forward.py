@@ -14,7 +14,8 @@ expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the e
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
 on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
-ops forward-only: a step needs no gradient), elsewhere as the eager reference.
+ops forward-only: a step needs no gradient), elsewhere as the eager reference. A fused
+hyper-connection runs H_post and H_res on a side stream beside its sublayer (`hyper`).
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
@@ -25,6 +26,7 @@ live prefix in place.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,13 +145,33 @@ def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Te
 def hyper(
     x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, sublayer: Callable[[Tensor], Tensor]
 ) -> Tensor:
-    """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x))."""
+    """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x)). With fused kernels, H_post
+    and H_res (the 2 t_max-step Sinkhorn, most of the coefficients' latency at decode sizes) run
+    on a side stream beside F: only H_pre gates F's input, and mix out joins the two."""
     if cfg.num_streams == 1:
         return plain_residual(x_ATSD, sublayer)
-    return hyper_connection(
-        x_ATSD, w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"], sublayer,
-        iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
-    )  # fmt: skip
+    coefficients = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
+    opts = dict(iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+    if not use_fused(x_ATSD, cfg.mhc_kernels):
+        return hyper_connection(x_ATSD, *coefficients, sublayer, kernels="eager", **opts)
+    from birkhoff.kernels import mhc
+
+    side = side_stream(x_ATSD.device)
+    x_ATSD, y_ATD, post, res, read = mhc.coefficients_beside(
+        x_ATSD, *coefficients, stream=side, **opts
+    )
+    f_ATD = sublayer(y_ATD)
+    if side is not None:
+        torch.cuda.current_stream(x_ATSD.device).wait_stream(side)
+    del read  # what the side stream reads is freed only after the join
+    return mhc.mix_out(x_ATSD, f_ATD, post, res)
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream `hyper` runs H_post and H_res on (one per CUDA device; None elsewhere). In a
+    CUDA graph capture the fork and join become graph edges."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 def block(

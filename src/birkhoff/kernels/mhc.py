@@ -7,23 +7,19 @@ Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments
 `mhc_coefficients`, `coefficients_and_mix_in`, `contraction_weights`, `contract`, and (from
 `mhc_mix`) `mix_in`, `mix_out`. Each runs a `torch.library.triton_op` (`birkhoff::mhc_*`,
 `ops.FusedOp`) with `register_autograd`, so torch.compile traces into it without a graph break
-and its backward is such an op too; eager code calls the same implementations through
-FusedOp's direct entry (the dispatcher's host cost made the S = 4 training step host-bound).
-Tensors the backward needs are saved with `ctx.save_for_backward`, so saved-tensor hooks (the
-recompute registry) see them.
+and its backward is such an op too; eager code calls them through FusedOp's direct entry.
+Tensors the backward needs go through `ctx.save_for_backward` (saved-tensor hooks see them).
+`coefficients_beside` is the engine's forward-only entry (H_post and H_res on another stream).
 
 Design choices:
 - The projection raw = x @ phi^T (P = 24 at S = 4) runs in the same pass over x as the RMS (on
   the unnormalised streams: the RMS scale is a per-token scalar applied to the logits), on
-  tensor cores: "tf32x3" (three TF32 products, ~fp32 accurate) for bf16/fp16 streams, an fp32
-  "ieee" dot for fp32 streams, so the fp32 logits match the eager ones. The columns are split
-  over programs (`coeff_proj`, partial sums) so that decode's few tokens fill the GPU too; a
-  second kernel (`coeff_tail`) sums the splits in a fixed order and runs the per-token rest.
-  Only x in its own dtype is saved (shared with what the mixes save), never an fp32 copy.
-  The backward reads x twice more: `grad_x` writes g_x = g_raw phi + the RMS term (P exact
-  fp32 FMAs per element), `grad_phi` reduces g_phi = g_raw^T x as partials over
-  `CONFIG["grad_phi"]["TOKENS"]` tokens that torch sums in a fixed order (deterministic, unlike
-  atomics); one kernel doing both held too many registers to keep enough loads in flight.
+  tensor cores at ~fp32 accuracy (`mhc_triton`: bf16x3, tf32x3 or ieee by dtype), split over
+  column blocks (`coeff_proj`, partial sums) so that decode's few tokens fill the GPU too;
+  `coeff_tail` sums the splits in a fixed order and runs the per-token rest. Only x in its own
+  dtype is saved, never an fp32 copy. The backward reads x twice more: `grad_x` writes
+  g_x = g_raw phi + the RMS term, `grad_phi` reduces g_phi = g_raw^T x as partials over
+  `CONFIG["grad_phi"]["TOKENS"]` tokens that torch sums in a fixed order (no atomics).
 - One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
   backward folds g_y into g_H_pre and adds H_pre g_y to grad_x's g_x, so x's gradient from the
   coefficients and the mix in is written once.
@@ -62,7 +58,8 @@ from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi, s
 from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
-    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
+    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams",
+    "coefficients_beside", "contract",
     "contraction_weights", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
 ]  # fmt: skip
 
@@ -99,9 +96,7 @@ def _token_block(cfg: Launch, N: int) -> int:
 
 def _tail_block(cfg: Launch, N: int, SP: int) -> int:
     """coeff_tail's tokens per program: CONFIG's BN for training, down to one for decode (no
-    tl.dot, no 16-row floor), so a decode call still gets ~TAIL_PROGRAMS programs, each loading
-    its partials in one round (TAIL_ELEMENTS // (BN * PP) splits a load) and running the serial
-    Sinkhorn chain with fewer warps (12.5 -> 4.6 us at batch 1 on the H200)."""
+    tl.dot), so a decode call gets ~TAIL_PROGRAMS programs with fewer warps each."""
     bn = min(int(cfg["BN"]), pow2(cdiv(N, TAIL_PROGRAMS)))
     cfg["BN"], cfg["num_warps"] = bn, max(1, min(int(cfg["num_warps"]), bn * SP * SP // 128))
     return bn
@@ -379,3 +374,28 @@ def contract(
 ) -> Tensor:
     """Fused output contraction sum_s w_s x_s [B,T,D] (weights and sum as one op)."""
     return _coefficients(x_BTSD, phi_SC, alpha_1, bias_S, 0, False, True, norm_eps, eps)[3]
+
+
+def coefficients_beside(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
+    norm_eps: float, eps: float, stream: torch.cuda.Stream | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
+    """`coefficients_and_mix_in_streams` forward only: (x as read, y, H_post, H_res, what
+    `stream` reads), H_post and H_res launched on `stream` (None: the current one) after H_pre
+    and y, from the tail's stored raw logits and rstd (`coeff_rest`: equal bit for bit). The
+    caller joins `stream` before reading H_post or H_res, holding the last output till then."""
+    inputs = _op_inputs(x_BTSD, phi_PC, alpha_3, bias_P)
+    _, _, _, y_BTD, raw_BTP, rstd = _coefficients_impl(*inputs, 0, False, True, norm_eps, eps)
+    (x_BTSD, _, alpha, bias_P), S, N = inputs, x_BTSD.shape[-2], rstd.numel()
+    _, post, res, _, _, _ = _coefficients_fake(x_BTSD, phi_PC, True, False)
+    cfg, SP = _launch("coeff_tail", x_BTSD, S), pad_streams(S)
+    bn = _tail_block(cfg, N, SP)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x_BTSD.device))
+    with torch.cuda.stream(stream):  # None: the current stream
+        if N:
+            traceable(K.coeff_rest)[(cdiv(N, bn),)](
+                raw_BTP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=SP,
+                P=raw_BTP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
+            )  # fmt: skip
+    return x_BTSD, y_BTD, post, res, (raw_BTP, rstd, alpha, bias_P)

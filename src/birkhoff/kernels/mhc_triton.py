@@ -15,6 +15,8 @@ PP: P padded to a power of two (>= 16).
 - `coeff_tail`: sums the splits; logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
+- `coeff_rest`: H_post and H_res alone, from the raw logits and rstd a coeff_tail without them
+  stored (the engine runs it beside the sublayer, `engine.overlap`).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
   scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
   denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
@@ -200,15 +202,42 @@ def coeff_tail(
     h_pre = tl.sigmoid(a_pre) + hc_eps
     tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=vec_ok)
     if WITH_RES:
-        z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
-        a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
-        tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
-        ij, valid = _res_offsets(n64, n_ok, S, SP)
-        z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
-        b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
-        a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
-        m = _state_before(a_res, valid, 2 * iters, hc_eps)
-        tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
+        _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
+                  S, SP, P)  # fmt: skip
+
+
+@triton.jit
+def coeff_rest(
+    raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, N, hc_eps, iters,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """H_post and H_res from the raw logits and rstd a coeff_tail with WITH_RES=False wrote: the
+    same arithmetic on the same stored values, so the results equal coeff_tail's bit for bit."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    rstd = tl.load(rstd_ptr + n, mask=n_ok, other=0.0)
+    _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n.to(tl.int64), n_ok, rstd,
+              _f32(hc_eps), iters, S, SP, P)  # fmt: skip
+
+
+@triton.jit
+def _post_res(
+    raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    """H_post = 2 sigmoid and H_res = Sinkhorn of the BN tokens' raw logits times rstd."""
+    s = tl.arange(0, SP)[None, :]
+    vec_ok = n_ok[:, None] & (s < S)
+    raw_row = raw_ptr + n64[:, None] * P
+    z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
+    a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
+    tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
+    ij, valid = _res_offsets(n64, n_ok, S, SP)
+    z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
+    b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
+    a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
+    m = _state_before(a_res, valid, 2 * iters, hc_eps)
+    tl.store(res_ptr + n64[:, None, None] * (S * S) + ij, m, mask=valid)
 
 
 @triton.jit
