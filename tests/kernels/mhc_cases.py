@@ -234,44 +234,67 @@ def check_bf16_streams_keep_fp32_precision(c: Case, device: str, truncates: bool
     assert differs < 0.02, f"{differs:.1%} of g_x differ from the rounded fp32 gradient"
 
 
-def check_coefficients_beside(
+def _ulps(a: Tensor, b: Tensor) -> float:
+    """max |a - b| in units of the last place of b's dtype at b's magnitude."""
+    ulp = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
+    return ((a.float() - b.float()).abs() / ulp).max().item() if b.numel() else 0.0
+
+
+def check_hyper_entry(
     c: Case, device: str, dtype: torch.dtype = torch.float32, *, graphed: bool = False
 ) -> None:
-    """The engine's split entry (`mhc.coefficients_beside`: H_post and H_res on a side stream
-    on CUDA) gives the one op's y, H_post, H_res and mix out bit for bit; graphed: captured in
-    a CUDA graph (fork and join as graph edges) and replayed on new streams."""
-    from birkhoff.kernels import mhc
+    """The engine's entry (`mhc_entry.hyper_entry`: H_post and H_res on a side stream on CUDA,
+    the tail, mix in and RMSNorm in one launch) against the training ops' launches: H_post,
+    H_res and mix out bit for bit, the normed input within an ulp; graphed: captured in a CUDA
+    graph (fork and join as graph edges) and replayed on new streams. Also `contract_norm`."""
+    from birkhoff.kernels import mhc, mhc_entry, norm_rope
 
     inp = make_inputs(c, device, dtype)
     x_in, coefficients = inp["x"].clone(), (inp["phi"], inp["alpha"], inp["bias"])
-    opts = dict(iters=c.iters, norm_eps=1e-6, eps=1e-6)
+    weight = 1.0 + 0.1 * torch.arange(c.D, device=device, dtype=dtype).sin()
+    opts = dict(iters=c.iters, norm_eps=1e-6, eps=1e-6, rms_eps=1e-5)
     side = torch.cuda.Stream(device) if device == "cuda" else None
 
-    def beside() -> list[Tensor]:
-        x, y, post, res, read = mhc.coefficients_beside(x_in, *coefficients, stream=side, **opts)
-        f = torch.tanh(y + inp["f_in"])
+    def entry() -> list[Tensor]:
+        x, y, post, res, read = mhc_entry.hyper_entry(
+            x_in, *coefficients, weight, stream=side, **opts
+        )
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         del read
-        return [y, post, res, mhc.mix_out(x, f, post, res)]
+        return [y, post, res, mhc.mix_out(x, inp["f_in"], post, res)]
 
     with torch.no_grad():
         if graphed:
             graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
             capture.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(capture):
-                beside()  # warm up (compiles) off the capture
+                entry()  # warm up (compiles) off the capture
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, stream=capture):
-                    outs = beside()
+                    outs = entry()
             x_in.copy_(torch.randn_like(x_in))  # the replay must read the new streams
             graph.replay()
             torch.cuda.synchronize()
             got = [t.clone() for t in outs]
         else:
-            got = beside()
-        y, _, post, res = mhc.coefficients_and_mix_in(x_in, *coefficients, **opts)
-        ref = [y, post, res, mhc.mix_out(x_in, torch.tanh(y + inp["f_in"]), post, res)]
+            got = entry()
+        y, _, post, res = mhc.coefficients_and_mix_in(x_in, *coefficients, **_no_rms(opts))
+        normed = norm_rope.rms_norm(y, weight, 1e-5)
+        ref = [normed, post, res, mhc.mix_out(x_in, inp["f_in"], post, res)]
+        phi_S, alpha_1, bias_S = inp["phi"][: c.S], inp["alpha"][:1], inp["bias"][: c.S]
+        contracted = mhc_entry.contract_norm(
+            x_in, phi_S, alpha_1, bias_S, weight, norm_eps=1e-6, eps=1e-6, rms_eps=1e-5
+        )
+        h = mhc.contract(x_in, phi_S, alpha_1, bias_S, norm_eps=1e-6, eps=1e-6)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape)
-        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+        if i:
+            assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+    assert _ulps(got[0], ref[0]) <= 1.0, _ulps(got[0], ref[0])
+    want = norm_rope.rms_norm(h, weight, 1e-5)
+    assert contracted.shape == want.shape and _ulps(contracted, want) <= 1.0
+
+
+def _no_rms(opts: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in opts.items() if k != "rms_eps"}

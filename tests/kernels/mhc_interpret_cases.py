@@ -13,9 +13,9 @@ from mhc_cases import (
     case_id,
     check_bf16_streams_keep_fp32_precision,
     check_both_streams_gradients_matter,
-    check_coefficients_beside,
     check_contraction,
     check_hyper,
+    check_hyper_entry,
     check_sublayer,
 )
 from mhc_model_cases import check_safe_reclaim, check_train_step
@@ -39,8 +39,8 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 5, 6, 9, 10)], ids=case_id)
-def test_coefficients_beside_equal_the_one_op(case: Case) -> None:
-    check_coefficients_beside(case, "cpu")
+def test_engine_entry_equals_the_training_ops(case: Case) -> None:
+    check_hyper_entry(case, "cpu")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -80,8 +80,8 @@ def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
 
 def test_engine_steps_run_the_fused_per_token_ops() -> None:
     """With fused kernels the engine's prefill, decode and speculative steps call the fused
-    attention prologue, decode attention and SwiGLU, and a one-row step the fused matmul (no
-    silent fallback to the eager ops)."""
+    attention prologue, decode attention, SwiGLU and mHC entry, and a one-row step the fused
+    matmul (no silent fallback to the eager ops)."""
     from collections import Counter
 
     from mhc_model_cases import build_model, tiny_config
@@ -106,7 +106,8 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
     with Calls() as calls:
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
         engine.generate([[6, 7]], SamplingParams(3))
-    for op in ("rope_cache", "decode_attention", "silu_mul", "rms_norm", "mhc_coefficients"):
+    # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
+    for op in ("rope_cache", "decode_attention", "silu_mul", "mhc_entry", "mhc_entry_rest"):
         assert calls.seen[op] > 0, (op, calls.seen)
     assert calls.seen["gemv"] > 0  # a batch-1 decode step's projections
     assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches

@@ -73,7 +73,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
-    from birkhoff.kernels import mhc, mhc_mix
+    from birkhoff.kernels import mhc, mhc_entry, mhc_mix
     from birkhoff.kernels import mhc_grad_triton as G
     from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
@@ -103,6 +103,14 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         usage[f"coeff_tail/{P}"] = compile_for_h200(
             K.coeff_tail, types, consts | const | dict(PP=PP, KB=kb), launch
         )
+        bn = mhc_entry.ENTRY_ELEMENTS // 1024  # the engine's entry at D 768 (BD 1024)
+        entry = dict(S=S, SP=SP, P=P, PP=PP, BN=bn, BD=1024, KB=mhc.TAIL_ELEMENTS // (bn * PP))
+        usage[f"pre_mix_norm/{P}"] = compile_for_h200(
+            K.pre_mix_norm, types | dict(w_ptr=xt, rms_eps=floats), entry, {"num_warps": 4}
+        )
+        if P > S:  # coeff_rest at decode's two tokens a program and one warp
+            rest = dict(S=S, SP=SP, P=P, BN=2)
+            usage[f"coeff_rest/{P}"] = compile_for_h200(K.coeff_rest, types, rest, {"num_warps": 1})
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))

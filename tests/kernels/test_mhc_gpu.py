@@ -10,9 +10,9 @@ from mhc_cases import (
     Case,
     case_id,
     check_bf16_streams_keep_fp32_precision,
-    check_coefficients_beside,
     check_contraction,
     check_hyper,
+    check_hyper_entry,
     check_sublayer,
     make_inputs,
 )
@@ -41,8 +41,8 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case, dtype: torch.
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_coefficients_beside_equal_the_one_op(case: Case, graphed: bool) -> None:
-    check_coefficients_beside(case, "cuda", torch.bfloat16, graphed=graphed)
+def test_engine_entry_equals_the_training_ops(case: Case, graphed: bool) -> None:
+    check_hyper_entry(case, "cuda", torch.bfloat16, graphed=graphed)
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)

@@ -14,8 +14,9 @@ expand_streams, mtp_merge; for MoE layers moe_ffn, through engine/moe.py): the e
 re-implements none of the model math, so an fp32 engine matches the trainer to rounding and a
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
 on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
-ops forward-only: a step needs no gradient), elsewhere as the eager reference. A fused
-hyper-connection runs H_post and H_res on a side stream beside its sublayer (`hyper`).
+ops forward-only: a step needs no gradient), elsewhere as the eager reference; a fused
+hyper-connection enters its sublayer through `kernels.mhc_entry` (coefficients, mix in and
+norm after the projection as one launch; H_post and H_res on a side stream beside F).
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
@@ -143,22 +144,27 @@ def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Te
 
 
 def hyper(
-    x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, sublayer: Callable[[Tensor], Tensor]
-) -> Tensor:
-    """One mHC-wrapped sublayer (S = 1: the plain residual x + F(x)). With fused kernels, H_post
-    and H_res (the 2 t_max-step Sinkhorn, most of the coefficients' latency at decode sizes) run
-    on a side stream beside F: only H_pre gates F's input, and mix out joins the two."""
+    x_ATSD: Tensor, w: Weights, prefix: str, norm: str, cfg: ModelConfig,
+    sublayer: Callable[[Tensor], Tensor],
+) -> Tensor:  # fmt: skip
+    """One mHC-wrapped sublayer F(RMSNorm(.) * w[norm]) (S = 1: the plain residual). With fused
+    kernels the coefficients, mix in and norm are `mhc_entry.hyper_entry`, whose H_post and
+    H_res (the Sinkhorn) run on a side stream beside F, joined before mix out."""
+
+    def normed(h_ATD: Tensor) -> Tensor:
+        return sublayer(rms_norm(h_ATD, w[norm], cfg.norm_eps, kernels=cfg.mhc_kernels))
+
     if cfg.num_streams == 1:
-        return plain_residual(x_ATSD, sublayer)
+        return plain_residual(x_ATSD, normed)
     coefficients = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
     opts = dict(iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
     if not use_fused(x_ATSD, cfg.mhc_kernels):
-        return hyper_connection(x_ATSD, *coefficients, sublayer, kernels="eager", **opts)
-    from birkhoff.kernels import mhc
+        return hyper_connection(x_ATSD, *coefficients, normed, kernels="eager", **opts)
+    from birkhoff.kernels import mhc, mhc_entry
 
     side = side_stream(x_ATSD.device)
-    x_ATSD, y_ATD, post, res, read = mhc.coefficients_beside(
-        x_ATSD, *coefficients, stream=side, **opts
+    x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
+        x_ATSD, *coefficients, w[norm], rms_eps=cfg.norm_eps, stream=side, **opts
     )
     f_ATD = sublayer(y_ATD)
     if side is not None:
@@ -169,8 +175,7 @@ def hyper(
 
 @functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream `hyper` runs H_post and H_res on (one per CUDA device; None elsewhere). In a
-    CUDA graph capture the fork and join become graph edges."""
+    """The stream `hyper` runs H_post and H_res on (one per CUDA device; None elsewhere)."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
@@ -178,32 +183,29 @@ def block(
     x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, cache: KVCache, layer: int,
     chunk: Chunk,
 ) -> Tensor:  # fmt: skip
-    eps = cfg.norm_eps
-
-    def attn(h_ATD: Tensor) -> Tensor:
-        h_ATD = rms_norm(h_ATD, w[prefix + "attn_norm.weight"], eps, kernels=cfg.mhc_kernels)
-        return attention(h_ATD, w, prefix, cfg, cache, layer, chunk)
-
-    x_ATSD = hyper(x_ATSD, w, prefix + "hc_attn.", cfg, attn)
+    x_ATSD = hyper(
+        x_ATSD, w, prefix + "hc_attn.", prefix + "attn_norm.weight", cfg,
+        lambda h_ATD: attention(h_ATD, w, prefix, cfg, cache, layer, chunk),
+    )  # fmt: skip
     return hyper(
-        x_ATSD, w, prefix + "hc_mlp.", cfg,
-        lambda h_ATD: feed_forward(
-            rms_norm(h_ATD, w[prefix + "mlp_norm.weight"], eps, kernels=cfg.mhc_kernels),
-            w, prefix, cfg),
+        x_ATSD, w, prefix + "hc_mlp.", prefix + "mlp_norm.weight", cfg,
+        lambda h_ATD: feed_forward(h_ATD, w, prefix, cfg),
     )  # fmt: skip
 
 
 def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
     """Output contraction of the streams, then the final norm: the lm_head input [A,T,D]."""
+    norm = w[prefix + "norm.weight"]
     if cfg.num_streams == 1:
-        h_ATD = single_stream(x_ATSD)
-    else:
-        h_ATD = contract(
-            x_ATSD, w[prefix + "contraction.phi"], w[prefix + "contraction.alpha"],
-            w[prefix + "contraction.bias"], norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
-            kernels=cfg.mhc_kernels,
-        )  # fmt: skip
-    return rms_norm(h_ATD, w[prefix + "norm.weight"], cfg.norm_eps, kernels=cfg.mhc_kernels)
+        return rms_norm(single_stream(x_ATSD), norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
+    weights = (w[prefix + "contraction." + k] for k in ("phi", "alpha", "bias"))
+    opts = dict(norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+    if use_fused(x_ATSD, cfg.mhc_kernels):
+        from birkhoff.kernels import mhc_entry
+
+        return mhc_entry.contract_norm(x_ATSD, *weights, norm, rms_eps=cfg.norm_eps, **opts)
+    h_ATD = contract(x_ATSD, *weights, kernels="eager", **opts)
+    return rms_norm(h_ATD, norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
 
 
 def lm_head(h_AD: Tensor, w: Weights, cfg: ModelConfig) -> Tensor:

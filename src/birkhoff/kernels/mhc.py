@@ -9,7 +9,7 @@ Public functions mirror the eager ones in `birkhoff.model.hyper` (same arguments
 `ops.FusedOp`) with `register_autograd`, so torch.compile traces into it without a graph break
 and its backward is such an op too; eager code calls them through FusedOp's direct entry.
 Tensors the backward needs go through `ctx.save_for_backward` (saved-tensor hooks see them).
-`coefficients_beside` is the engine's forward-only entry (H_post and H_res on another stream).
+The engine's forward-only sublayer entry is `mhc_entry`.
 
 Design choices:
 - The projection raw = x @ phi^T (P = 24 at S = 4) runs in the same pass over x as the RMS (on
@@ -58,8 +58,7 @@ from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi, s
 from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
-    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams",
-    "coefficients_beside", "contract",
+    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
     "contraction_weights", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
 ]  # fmt: skip
 
@@ -374,28 +373,3 @@ def contract(
 ) -> Tensor:
     """Fused output contraction sum_s w_s x_s [B,T,D] (weights and sum as one op)."""
     return _coefficients(x_BTSD, phi_SC, alpha_1, bias_S, 0, False, True, norm_eps, eps)[3]
-
-
-def coefficients_beside(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float, stream: torch.cuda.Stream | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
-    """`coefficients_and_mix_in_streams` forward only: (x as read, y, H_post, H_res, what
-    `stream` reads), H_post and H_res launched on `stream` (None: the current one) after H_pre
-    and y, from the tail's stored raw logits and rstd (`coeff_rest`: equal bit for bit). The
-    caller joins `stream` before reading H_post or H_res, holding the last output till then."""
-    inputs = _op_inputs(x_BTSD, phi_PC, alpha_3, bias_P)
-    _, _, _, y_BTD, raw_BTP, rstd = _coefficients_impl(*inputs, 0, False, True, norm_eps, eps)
-    (x_BTSD, _, alpha, bias_P), S, N = inputs, x_BTSD.shape[-2], rstd.numel()
-    _, post, res, _, _, _ = _coefficients_fake(x_BTSD, phi_PC, True, False)
-    cfg, SP = _launch("coeff_tail", x_BTSD, S), pad_streams(S)
-    bn = _tail_block(cfg, N, SP)
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(x_BTSD.device))
-    with torch.cuda.stream(stream):  # None: the current stream
-        if N:
-            traceable(K.coeff_rest)[(cdiv(N, bn),)](
-                raw_BTP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=SP,
-                P=raw_BTP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
-            )  # fmt: skip
-    return x_BTSD, y_BTD, post, res, (raw_BTP, rstd, alpha, bias_P)

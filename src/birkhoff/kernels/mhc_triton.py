@@ -15,6 +15,8 @@ PP: P padded to a power of two (>= 16).
 - `coeff_tail`: sums the splits; logits = raw * rstd; alpha * logits + bias;
   H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = Sinkhorn (row softmax + eps, then column,
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
+- `pre_mix_norm`: the engine's sublayer entry: coeff_tail's H_pre, the mix in and the sublayer's
+  RMSNorm in one program per few tokens.
 - `coeff_rest`: H_post and H_res alone, from the raw logits and rstd a coeff_tail without them
   stored (the engine runs it beside the sublayer, `engine.overlap`).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
@@ -175,10 +177,29 @@ def coeff_tail(
     WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
-    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers. The splits are
-    read KB at a time as one [KB, BN, PP] load: decode's few tokens come in ~C / BC splits, and
-    one split per loop step would wait out a memory latency per split."""
-    norm_eps, hc_eps = _f32(norm_eps), _f32(hc_eps)
+    and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers."""
+    hc_eps = _f32(hc_eps)
+    n, n_ok, n64, h_pre, rstd = _pre(
+        part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, C, SPLITS, norm_eps, hc_eps,
+        S, SP, P, PP, BN, KB,
+    )  # fmt: skip
+    s = tl.arange(0, SP)[None, :]
+    tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=n_ok[:, None] & (s < S))
+    if WITH_RES:
+        _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
+                  S, SP, P)  # fmt: skip
+
+
+@triton.jit
+def _pre(
+    part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, C, SPLITS, norm_eps, hc_eps,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr,
+    KB: tl.constexpr,
+):  # fmt: skip
+    """This program's tokens (n, in range, int64), H_pre [BN, SP] and rstd [BN]; the raw logits
+    and rstd are stored. The splits are read KB at a time as one [KB, BN, PP] load: decode's few
+    tokens come in ~C / BC splits, and one split per loop step would wait out a memory latency
+    per split."""
     n, n_ok, n64, p, sq, raw = _token_sums(N, BN, PP)
     kb = tl.arange(0, KB)
     for k0 in range(0, SPLITS, KB):
@@ -188,22 +209,45 @@ def coeff_tail(
                        other=0.0)  # fmt: skip
         raw += tl.sum(part, axis=0)
         sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
-    # raw goes out (the backward needs it) and comes back in the [pre | post | res] layout the
-    # code below reads; the barrier makes every thread's stores visible to the whole program.
+    # raw goes out (the backward and coeff_rest need it) and comes back in the [pre | post | res]
+    # layout the code reads; the barrier makes every thread's stores visible to the program.
     tl.store(raw_ptr + n64[:, None] * P + p[None, :], raw, mask=n_ok[:, None] & (p < P)[None, :])
     tl.debug_barrier()
-    rstd = tl.rsqrt(sq / C + norm_eps)
+    rstd = tl.rsqrt(sq / C + _f32(norm_eps))
     tl.store(rstd_ptr + n, rstd, mask=n_ok)
     s = tl.arange(0, SP)[None, :]
     vec_ok = n_ok[:, None] & (s < S)
-    raw_row = raw_ptr + n64[:, None] * P
-    a_pre = tl.load(alpha_ptr) * (tl.load(raw_row + s, mask=vec_ok, other=0.0) * rstd[:, None])
-    a_pre += tl.load(bias_ptr + s, mask=s < S, other=0.0)
-    h_pre = tl.sigmoid(a_pre) + hc_eps
-    tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=vec_ok)
-    if WITH_RES:
-        _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
-                  S, SP, P)  # fmt: skip
+    z_pre = tl.load(raw_ptr + n64[:, None] * P + s, mask=vec_ok, other=0.0) * rstd[:, None]
+    a_pre = tl.load(alpha_ptr) * z_pre + tl.load(bias_ptr + s, mask=s < S, other=0.0)
+    return n, n_ok, n64, tl.sigmoid(a_pre) + hc_eps, rstd
+
+
+@triton.jit
+def pre_mix_norm(
+    part_ptr, sq_ptr, x_ptr, w_ptr, alpha_ptr, bias_ptr, raw_ptr, rstd_ptr, y_ptr,
+    N, D, SPLITS, norm_eps, hc_eps, rms_eps,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, KB: tl.constexpr,
+    BN: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """The engine's sublayer entry over all D columns of BN tokens a program: coeff_tail's H_pre
+    (raw logits and rstd stored, for coeff_rest), y = sum_j H_pre[j] x_j rounded to y's dtype
+    as mix_in_fwd's, then RMSNorm(y) * w as rms_norm_fwd's -> y_ptr [N, D]."""
+    n, n_ok, n64, h_pre, _ = _pre(
+        part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, S * D, SPLITS, norm_eps,
+        _f32(hc_eps), S, SP, P, PP, BN, KB,
+    )  # fmt: skip
+    d = tl.arange(0, BD)
+    ok = n_ok[:, None] & (d < D)[None, :]
+    s = tl.arange(0, SP)[None, :]
+    y = tl.zeros([BN, BD], dtype=tl.float32)
+    for j in tl.static_range(S):
+        h = tl.sum(tl.where(s == j, h_pre, 0.0), axis=1)  # column j, exactly
+        xj = tl.load(x_ptr + n64[:, None] * (S * D) + j * D + d[None, :], mask=ok, other=0.0)
+        y += h[:, None] * xj.to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = y * tl.rsqrt(tl.sum(y * y, axis=1) / D + _f32(rms_eps))[:, None]
+    y = y * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + n64[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

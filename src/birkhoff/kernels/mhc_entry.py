@@ -1,0 +1,121 @@
+"""The engine's fused mHC entries, forward only: the coefficients, the mix in and the RMSNorm
+that follows it as one launch after the projection, with H_post and H_res on another stream.
+
+Legend: A active rows, T tokens (any leading shape works), S streams, D model dim, P logits.
+
+Both are forward-only custom ops (`birkhoff::mhc_entry`, `birkhoff::mhc_entry_rest`).
+In a decode step every sublayer's coefficients are a chain of small launches on the critical
+path, each mostly latency. Two things shorten it:
+- H_pre alone gates the sublayer's input; H_post and H_res (the 2 t_max-step Sinkhorn, most of
+  the coefficients' latency at decode sizes) are read only by mix out, after F. `hyper_entry`
+  launches them (`coeff_rest`, from the raw logits and rstd the entry stored) on a stream the
+  caller passes and joins before mix out; in a CUDA graph capture the fork and join become
+  graph edges, so a replay runs the Sinkhorn beside the sublayer's attention or MLP.
+- `pre_mix_norm` sums the projection's partials, computes H_pre, mixes the streams in and
+  applies the sublayer's RMSNorm, one program per few tokens over all D columns: the tail, mix
+  in and norm launches of the training ops in one. The output contraction and the final norm
+  (`contract_norm`) take the same kernel.
+Values: H_post and H_res equal `mhc.mhc_coefficients`' bit for bit; the mix is mix_in_fwd's
+arithmetic and the norm rms_norm_fwd's (the row's sum of squares may reduce in another order:
+within an ulp of the unfused launches).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from birkhoff.kernels import mhc_triton as K
+from birkhoff.kernels.mhc import (
+    TAIL_ELEMENTS,
+    TAIL_PROGRAMS,
+    _coefficients_fake,
+    _launch,
+    _op_inputs,
+    _pads,
+    _projection,
+    _tail_block,
+)
+from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
+
+ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
+
+
+@torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
+def pre_mix_norm(
+    x_ATSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor, weight_D: Tensor,
+    norm_eps: float, eps: float, rms_eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(RMSNorm(sum_j H_pre[j] x_j) * weight [A,T,D] in x's dtype, raw logits [A,T,P] and rstd
+    [A,T] in fp32) for contiguous x, phi as `mhc` takes it, fp32 alpha and bias."""
+    check_inputs(x_ATSD, phi_PC, weight_D)
+    (S, D), P = x_ATSD.shape[-2:], phi_PC.shape[0]
+    (SP, PP), BD = _pads(S, P), max(16, pow2(D))
+    _, _, _, y_ATD, raw_ATP, rstd = _coefficients_fake(x_ATSD, phi_PC, False, True)
+    N = rstd.numel()
+    if N:
+        part, sq, splits = _projection(x_ATSD, phi_PC, N, PP)
+        bn = max(1, min(pow2(cdiv(N, TAIL_PROGRAMS)), ENTRY_ELEMENTS // BD))
+        kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
+        K.pre_mix_norm[(cdiv(N, bn),)](
+            part, sq, x_ATSD, weight_D.contiguous(), alpha, bias_P, raw_ATP, rstd, y_ATD,
+            N, D, splits, norm_eps, eps, rms_eps, S=S, SP=SP, P=P, PP=PP, KB=kb, BN=bn, BD=BD,
+            num_warps=4,
+        )  # fmt: skip
+    return y_ATD, raw_ATP, rstd
+
+
+@pre_mix_norm.register_fake
+def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps):  # type: ignore[no-untyped-def]
+    return _coefficients_fake(x_ATSD, phi_PC, False, True)[3:]
+
+
+@torch.library.custom_op("birkhoff::mhc_entry_rest", mutates_args=())
+def post_res(
+    raw_ATP: Tensor, rstd: Tensor, alpha: Tensor, bias_P: Tensor, S: int, iters: int, eps: float
+) -> tuple[Tensor, Tensor]:
+    """(H_post [A,T,S], H_res [A,T,S,S]) in fp32 from `pre_mix_norm`'s raw logits and rstd."""
+    post = rstd.new_empty((*rstd.shape, S))
+    res = rstd.new_empty((*rstd.shape, S, S))
+    N, cfg = rstd.numel(), _launch("coeff_tail", None, S)
+    bn = _tail_block(cfg, N, pad_streams(S))
+    if N:
+        K.coeff_rest[(cdiv(N, bn),)](
+            raw_ATP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=pad_streams(S),
+            P=raw_ATP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return post, res
+
+
+@post_res.register_fake
+def _(raw_ATP, rstd, alpha, bias_P, S, iters, eps):  # type: ignore[no-untyped-def]
+    return rstd.new_empty((*rstd.shape, S)), rstd.new_empty((*rstd.shape, S, S))
+
+
+def hyper_entry(
+    x_ATSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, weight_D: Tensor, *,
+    iters: int, norm_eps: float, eps: float, rms_eps: float, stream: torch.cuda.Stream | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
+    """(x as read, the sublayer's input RMSNorm(sum_j H_pre[j] x_j) * weight, H_post, H_res,
+    what `stream` reads). H_post and H_res are computed on `stream` (None: the current one):
+    the caller joins it before reading them and holds the last output until then. Their
+    memory comes from `stream`'s pool; freed after mix out, it is reused on `stream` only
+    after the next fork, which follows that mix out in stream order."""
+    x_ATSD, phi_PC, alpha, bias_P = _op_inputs(x_ATSD, phi_PC, alpha_3, bias_P)
+    y_ATD, raw_ATP, rstd = pre_mix_norm(
+        x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps
+    )
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x_ATSD.device))
+    with torch.cuda.stream(stream):  # None: the current stream
+        post, res = post_res(raw_ATP, rstd, alpha, bias_P, x_ATSD.shape[-2], iters, eps)
+    return x_ATSD, y_ATD, post, res, (raw_ATP, rstd, alpha, bias_P)
+
+
+def contract_norm(
+    x_ATSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, weight_D: Tensor, *,
+    norm_eps: float, eps: float, rms_eps: float,
+) -> Tensor:  # fmt: skip
+    """RMSNorm(sum_s w_s x_s) * weight [A,T,D]: the output contraction and the final norm."""
+    inputs = _op_inputs(x_ATSD, phi_SC, alpha_1, bias_S)
+    return pre_mix_norm(*inputs, weight_D, norm_eps, eps, rms_eps)[0]
