@@ -34,11 +34,11 @@ from birkhoff.kernels.mhc import (
     _op_inputs,
     _pads,
     _projection,
-    _tail_block,
 )
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
+REST_PROGRAMS = 16  # coeff_rest's grid at decode sizes
 
 
 @torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
@@ -77,12 +77,13 @@ def post_res(
     """(H_post [A,T,S], H_res [A,T,S,S]) in fp32 from `pre_mix_norm`'s raw logits and rstd."""
     post = rstd.new_empty((*rstd.shape, S))
     res = rstd.new_empty((*rstd.shape, S, S))
-    N, cfg = rstd.numel(), _launch("coeff_tail", None, S)
-    bn = _tail_block(cfg, N, pad_streams(S))
+    N, SP = rstd.numel(), pad_streams(S)
+    # few programs: it runs beside F, whose kernels should keep the SMs
+    bn = min(int(_launch("coeff_tail", None, S)["BN"]), pow2(cdiv(N, REST_PROGRAMS)))
     if N:
         K.coeff_rest[(cdiv(N, bn),)](
-            raw_ATP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=pad_streams(S),
-            P=raw_ATP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
+            raw_ATP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=SP,
+            P=raw_ATP.shape[-1], BN=bn, num_warps=max(1, min(4, bn * SP * SP // 128)),
         )  # fmt: skip
     return post, res
 
