@@ -108,9 +108,9 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         usage[f"pre_mix_norm/{P}"] = compile_for_h200(
             K.pre_mix_norm, types | dict(w_ptr=xt, rms_eps=floats), entry, {"num_warps": 4}
         )
-        if P > S:  # coeff_rest at batch 256: 16 tokens a program, 2 warps
-            rest = dict(S=S, SP=SP, P=P, BN=16)
-            usage[f"coeff_rest/{P}"] = compile_for_h200(K.coeff_rest, types, rest, {"num_warps": 2})
+        if P > S:  # coeff_rest at batch 256: 32 tokens a program, 4 warps
+            rest = dict(S=S, SP=SP, P=P, BN=32)
+            usage[f"coeff_rest/{P}"] = compile_for_h200(K.coeff_rest, types, rest, {"num_warps": 4})
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))

@@ -38,7 +38,7 @@ from birkhoff.kernels.mhc import (
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
-REST_PROGRAMS = 16  # coeff_rest's grid at decode sizes
+REST_PROGRAMS = 8  # coeff_rest's grid at decode sizes
 
 
 @torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
@@ -70,27 +70,21 @@ def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps):  # type:
     return _coefficients_fake(x_ATSD, phi_PC, False, True)[3:]
 
 
-@torch.library.custom_op("birkhoff::mhc_entry_rest", mutates_args=())
+@torch.library.custom_op("birkhoff::mhc_entry_rest", mutates_args=("post_ATS", "res_ATSS"))
 def post_res(
-    raw_ATP: Tensor, rstd: Tensor, alpha: Tensor, bias_P: Tensor, S: int, iters: int, eps: float
-) -> tuple[Tensor, Tensor]:
-    """(H_post [A,T,S], H_res [A,T,S,S]) in fp32 from `pre_mix_norm`'s raw logits and rstd."""
-    post = rstd.new_empty((*rstd.shape, S))
-    res = rstd.new_empty((*rstd.shape, S, S))
-    N, SP = rstd.numel(), pad_streams(S)
+    raw_ATP: Tensor, rstd: Tensor, alpha: Tensor, bias_P: Tensor, post_ATS: Tensor,
+    res_ATSS: Tensor, iters: int, eps: float,
+) -> None:  # fmt: skip
+    """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
+    N, S = rstd.numel(), post_ATS.shape[-1]
+    SP = pad_streams(S)
     # few programs: it runs beside F, whose kernels should keep the SMs
     bn = min(int(_launch("coeff_tail", None, S)["BN"]), pow2(cdiv(N, REST_PROGRAMS)))
     if N:
         K.coeff_rest[(cdiv(N, bn),)](
-            raw_ATP, rstd, alpha, bias_P, post, res, N, eps, iters, S=S, SP=SP,
+            raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S, SP=SP,
             P=raw_ATP.shape[-1], BN=bn, num_warps=max(1, min(4, bn * SP * SP // 128)),
         )  # fmt: skip
-    return post, res
-
-
-@post_res.register_fake
-def _(raw_ATP, rstd, alpha, bias_P, S, iters, eps):  # type: ignore[no-untyped-def]
-    return rstd.new_empty((*rstd.shape, S)), rstd.new_empty((*rstd.shape, S, S))
 
 
 def hyper_entry(
@@ -99,17 +93,18 @@ def hyper_entry(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
     """(x as read, the sublayer's input RMSNorm(sum_j H_pre[j] x_j) * weight, H_post, H_res,
     what `stream` reads). H_post and H_res are computed on `stream` (None: the current one):
-    the caller joins it before reading them and holds the last output until then. Their
-    memory comes from `stream`'s pool; freed after mix out, it is reused on `stream` only
-    after the next fork, which follows that mix out in stream order."""
+    the caller joins it before reading them and holds the last output until then."""
     x_ATSD, phi_PC, alpha, bias_P = _op_inputs(x_ATSD, phi_PC, alpha_3, bias_P)
     y_ATD, raw_ATP, rstd = pre_mix_norm(
         x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps
     )
+    # made here, on the current stream (allocations on `stream` inside a CUDA graph capture
+    # invalidated the capture in a GPU test)
+    _, post, res, _, _, _ = _coefficients_fake(x_ATSD, phi_PC, True, False)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(x_ATSD.device))
     with torch.cuda.stream(stream):  # None: the current stream
-        post, res = post_res(raw_ATP, rstd, alpha, bias_P, x_ATSD.shape[-2], iters, eps)
+        post_res(raw_ATP, rstd, alpha, bias_P, post, res, iters, eps)
     return x_ATSD, y_ATD, post, res, (raw_ATP, rstd, alpha, bias_P)
 
 
