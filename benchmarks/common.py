@@ -66,6 +66,17 @@ def graph_seconds(fn: Callable[[], Any], calls: int, *, replays: int = 3) -> flo
     return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """Time during which at least one of the (start, end) spans runs: GPU busy time. Kernels on
+    two streams (the engine's side stream) overlap, so their summed durations can exceed it."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def add_size_args(p: argparse.ArgumentParser) -> None:
     """--device, --quick and the model-size flags; sizes left None come from `apply_sizes`."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

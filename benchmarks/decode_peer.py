@@ -1,8 +1,9 @@
 """What benchmarks/decode.py measures beside the engine: GPU busy time, and a peer engine.
 
-- `device_seconds(fn)`: summed device time of everything `fn` ran on the GPU (kernels, copies,
-  memsets) from torch.profiler; decode.py takes busy = (device time of a long run - of a short
-  run) / (wall time of the same two runs), i.e. over steady-state decode steps only.
+- `device_seconds(fn)`: the time during which something `fn` ran on the GPU (kernels, copies,
+  memsets) runs, from torch.profiler (overlapping streams counted once); decode.py takes
+  busy = (device time of a long run - of a short run) / (wall time of the same two runs),
+  i.e. over steady-state decode steps only.
 - `hf_peer(...)`: HuggingFace transformers' `generate` on a dense Llama of the given shape with
   random weights (greedy, every row exactly `new_tokens` tokens, EOS ignored):
   "static" = static KV cache, which transformers compiles with torch.compile in its
@@ -17,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import sync
+from common import covered_us, sync
 
 from birkhoff.config import ModelConfig
 
 
 def device_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Sum of the device time of every GPU activity `fn` causes (0.0 on CPU)."""
+    """Seconds during which some GPU activity `fn` causes runs (`covered_us`; 0.0 on CPU)."""
     if device.type != "cuda":
         return 0.0
     from torch.autograd import DeviceType
@@ -33,11 +34,9 @@ def device_seconds(fn: Callable[[], object], device: torch.device) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         sync(device)
-    total_us = 0.0
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            total_us += getattr(event, "self_device_time_total", 0.0)
-    return total_us * 1e-6
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA]  # fmt: skip
+    return covered_us(spans) * 1e-6
 
 
 def llama_like(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Any:

@@ -5,7 +5,9 @@ CUDA graphs), and for each batch profiles two greedy calls (new tokens N and N/2
 torch.profiler; the difference of the two, divided by N/2, is one steady-state step (prefill,
 admission and warm-up cancel). Prints per kernel name (cut to 60 characters, digits of template
 sizes kept) the microseconds per step and launches per step of each model, largest first, then
-the totals: kernels per step, device us per step, wall us per step, busy = device / wall.
+the totals: kernels per step, device us per step (summed over kernels), busy us per step (time
+at least one kernel runs: kernels on the side stream overlap), wall us per step, busy = busy
+us / wall.
 `--k K` profiles speculative steps (K drafts per verify) instead of plain ones.
 
   python benchmarks/decode_profile.py --batches 1,256            # both trunks
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import json_args
+from common import covered_us, json_args
 from decode import RESULTS, engine_for, task_batch, trunk
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -42,11 +44,13 @@ def kernels_of(engine: Engine, prompts: list[list[int]], params: SamplingParams)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    spans = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             per[event.name[:60]][0] += event.device_time
             per[event.name[:60]][1] += 1
-    return {"kernels": dict(per), "wall_s": wall}
+            spans.append((event.time_range.start, event.time_range.end))
+    return {"kernels": dict(per), "wall_s": wall, "busy_us": covered_us(spans)}
 
 
 def best_wall(engine: Engine, prompts: list[list[int]], params: SamplingParams, reps: int) -> float:
@@ -80,8 +84,9 @@ def step_profile(engine: Engine, batch: int, args: argparse.Namespace) -> dict[s
         s_us, s_n = short_run["kernels"].get(name, (0.0, 0.0))
         table[name] = {"us": (us - s_us) / steps, "launches": (n - s_n) / steps}
     device_us = sum(v["us"] for v in table.values())
+    busy_us = (long_run["busy_us"] - short_run["busy_us"]) / steps
     return {"batch": batch, "steps": steps, "wall_us": wall * 1e6, "device_us": device_us,
-            "busy": device_us / max(wall * 1e6, 1e-9),
+            "busy_us": busy_us, "busy": busy_us / max(wall * 1e6, 1e-9),
             "launches": sum(v["launches"] for v in table.values()), "kernels": table}  # fmt: skip
 
 
@@ -100,7 +105,7 @@ def print_tables(results: dict[str, list[dict[str, Any]]], top: int) -> None:
                 v = rows[m]["kernels"].get(k, {"us": 0.0, "launches": 0.0})
                 cells.append(f"{v['us']:10.1f} ({v['launches']:5.1f})")
             print(f"{k:60} " + " ".join(cells))
-        for key in ("launches", "device_us", "wall_us", "busy"):
+        for key in ("launches", "device_us", "busy_us", "wall_us", "busy"):
             print(f"{key:60} " + " ".join(f"{rows[m][key]:18.3f}" for m in names))
 
 

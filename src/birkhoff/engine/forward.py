@@ -156,16 +156,18 @@ def hyper(
 
     if cfg.num_streams == 1:
         return plain_residual(x_ATSD, normed)
-    coefficients = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
-    opts = dict(iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+    phi, alpha, bias = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
+    iters, eps = cfg.sinkhorn_iters, cfg.mhc_eps
     if not use_fused(x_ATSD, cfg.mhc_kernels):
-        return hyper_connection(x_ATSD, *coefficients, normed, kernels="eager", **opts)
+        return hyper_connection(x_ATSD, phi, alpha, bias, normed, iters=iters,
+                                norm_eps=cfg.norm_eps, eps=eps, kernels="eager")  # fmt: skip
     from birkhoff.kernels import mhc, mhc_entry
 
     side = side_stream(x_ATSD.device)
     x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
-        x_ATSD, *coefficients, w[norm], rms_eps=cfg.norm_eps, stream=side, **opts
-    )
+        x_ATSD, phi, alpha, bias, w[norm], iters=iters, norm_eps=cfg.norm_eps, eps=eps,
+        rms_eps=cfg.norm_eps, stream=side,
+    )  # fmt: skip
     f_ATD = sublayer(y_ATD)
     if side is not None:
         torch.cuda.current_stream(x_ATSD.device).wait_stream(side)
@@ -198,13 +200,14 @@ def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> 
     norm = w[prefix + "norm.weight"]
     if cfg.num_streams == 1:
         return rms_norm(single_stream(x_ATSD), norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
-    weights = (w[prefix + "contraction." + k] for k in ("phi", "alpha", "bias"))
-    opts = dict(norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+    phi, alpha, bias = (w[prefix + "contraction." + k] for k in ("phi", "alpha", "bias"))
     if use_fused(x_ATSD, cfg.mhc_kernels):
         from birkhoff.kernels import mhc_entry
 
-        return mhc_entry.contract_norm(x_ATSD, *weights, norm, rms_eps=cfg.norm_eps, **opts)
-    h_ATD = contract(x_ATSD, *weights, kernels="eager", **opts)
+        return mhc_entry.contract_norm(x_ATSD, phi, alpha, bias, norm, norm_eps=cfg.norm_eps,
+                                       eps=cfg.mhc_eps, rms_eps=cfg.norm_eps)  # fmt: skip
+    h_ATD = contract(x_ATSD, phi, alpha, bias, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
+                     kernels="eager")  # fmt: skip
     return rms_norm(h_ATD, norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
 
 
