@@ -3,8 +3,8 @@ that follows it as one launch after the projection, with H_post and H_res on ano
 
 Legend: A active rows, T tokens (any leading shape works), S streams, D model dim, P logits.
 
-Both are forward-only custom ops (`birkhoff::mhc_entry`, `birkhoff::mhc_entry_rest`).
-In a decode step every sublayer's coefficients are a chain of small launches on the critical
+Both are forward-only custom ops (`birkhoff::mhc_entry`, `birkhoff::mhc_entry_rest`). In a
+decode step every sublayer's coefficients are a chain of small launches on the critical
 path, each mostly latency. Two things shorten it:
 - H_pre alone gates the sublayer's input; H_post and H_res (the 2 t_max-step Sinkhorn, most of
   the coefficients' latency at decode sizes) are read only by mix out, after F. `hyper_entry`
@@ -15,9 +15,11 @@ path, each mostly latency. Two things shorten it:
   applies the sublayer's RMSNorm, one program per few tokens over all D columns: the tail, mix
   in and norm launches of the training ops in one. The output contraction and the final norm
   (`contract_norm`) take the same kernel.
-Values: H_post and H_res equal `mhc.mhc_coefficients`' bit for bit; the mix is mix_in_fwd's
-arithmetic and the norm rms_norm_fwd's (the row's sum of squares may reduce in another order:
-within an ulp of the unfused launches).
+Values: the same arithmetic as the training ops' launches (coeff_tail, mix_in_fwd,
+rms_norm_fwd), bit for bit under the interpreter; compiled, a kernel's reductions may run in
+another order (H_res within ~1e-7, the normed input within an ulp; tests/kernels).
+`REST_PROGRAMS` keeps coeff_rest's grid narrow: beside a GEMM, a wide grid took SMs that the
+GEMM's tiles then waited for (docs/results.md).
 """
 
 from __future__ import annotations

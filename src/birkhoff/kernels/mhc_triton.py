@@ -18,7 +18,7 @@ PP: P padded to a power of two (>= 16).
 - `pre_mix_norm`: the engine's sublayer entry: coeff_tail's H_pre, the mix in and the sublayer's
   RMSNorm in one program per few tokens.
 - `coeff_rest`: H_post and H_res alone, from the raw logits and rstd a coeff_tail without them
-  stored (the engine runs it beside the sublayer, `engine.overlap`).
+  (or pre_mix_norm) stored: the engine runs it beside the sublayer (`mhc_entry`).
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
   scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
   denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
