@@ -1,4 +1,5 @@
-"""Benchmark result JSON records no absolute machine path (benchmarks/common.py json_args)."""
+"""Benchmark helpers: result JSON records no absolute machine path (benchmarks/common.py
+json_args); GPU busy time counts overlapping kernels once (covered_us)."""
 
 import argparse
 import sys
@@ -26,3 +27,11 @@ def test_paths_are_repo_relative_or_a_bare_file_name(tmp_path, monkeypatch):
         "other": 3,
         "none": None,
     }
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from common import covered_us
+
+    # two streams: (5, 12) overlaps (0, 10); (21, 22) lies inside (20, 25); unsorted input
+    assert covered_us([(20, 25), (0, 10), (21, 22), (5, 12)]) == 17
+    assert covered_us([(0, 4), (4, 6)]) == 6 and covered_us([]) == 0
