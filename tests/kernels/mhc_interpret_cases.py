@@ -17,6 +17,7 @@ from mhc_cases import (
     check_hyper,
     check_hyper_entry,
     check_sublayer,
+    make_inputs,
 )
 from mhc_model_cases import check_safe_reclaim, check_train_step
 
@@ -41,6 +42,17 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 5, 6, 9, 10)], ids=case_id)
 def test_engine_entry_equals_the_training_ops(case: Case) -> None:
     check_hyper_entry(case, "cpu")
+
+
+def test_engine_entry_rejects_a_norm_weight_of_another_dim() -> None:
+    from birkhoff.kernels import mhc_entry
+
+    inp = make_inputs(Case(S=4), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="norm weight of shape"):
+        mhc_entry.hyper_entry(
+            inp["x"], inp["phi"], inp["alpha"], inp["bias"], torch.ones(6), iters=2,
+            norm_eps=1e-6, eps=1e-6, rms_eps=1e-6, stream=None,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -223,8 +235,6 @@ def test_compile_traces_the_block_without_graph_break() -> None:
 
 
 def _hyper_inputs(case: Case) -> dict[str, torch.Tensor]:
-    from mhc_cases import make_inputs
-
     inp = make_inputs(case, "cpu", torch.float32)
     return {k: inp[k] for k in ("x", "phi", "alpha", "bias")}
 

@@ -52,6 +52,9 @@ def pre_mix_norm(
     [A,T] in fp32) for contiguous x, phi as `mhc` takes it, fp32 alpha and bias."""
     check_inputs(x_ATSD, phi_PC, weight_D)
     (S, D), P = x_ATSD.shape[-2:], phi_PC.shape[0]
+    if tuple(weight_D.shape) != (D,):
+        raise ValueError(f"mhc_entry: norm weight of shape {tuple(weight_D.shape)}, streams of "
+                         f"dim {D}")  # fmt: skip
     (SP, PP), BD = _pads(S, P), max(16, pow2(D))
     _, _, _, y_ATD, raw_ATP, rstd = _coefficients_fake(x_ATSD, phi_PC, False, True)
     N = rstd.numel()
