@@ -93,16 +93,21 @@ def _token_block(cfg: Launch, N: int) -> int:
     return min(int(cfg["BN"]), max(16, pow2(N)))
 
 
-def _tail_block(cfg: Launch, N: int, SP: int) -> int:
+def _tail_block(cfg: Launch, N: int, SP: int, programs: int = 0) -> int:
     """coeff_tail's tokens per program: CONFIG's BN for training, down to one for decode (no
-    tl.dot), so a decode call gets ~TAIL_PROGRAMS programs with fewer warps each."""
-    bn = min(int(cfg["BN"]), pow2(cdiv(N, TAIL_PROGRAMS)))
+    tl.dot), so a decode call gets ~`programs` (default TAIL_PROGRAMS) with fewer warps each."""
+    bn = min(int(cfg["BN"]), pow2(cdiv(N, programs or TAIL_PROGRAMS)))
     cfg["BN"], cfg["num_warps"] = bn, max(1, min(int(cfg["num_warps"]), bn * SP * SP // 128))
     return bn
 
 
 TAIL_PROGRAMS = 128
 TAIL_ELEMENTS = 4096  # coeff_tail's [KB, BN, PP] load of projection partials, at most
+
+
+def _splits_per_load(splits: int, bn: int, PP: int) -> int:
+    """KB: projection splits a [KB, BN, PP] load of the tail reads (TAIL_ELEMENTS at most)."""
+    return min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))
 
 
 def _projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor, Tensor, int]:
@@ -141,7 +146,7 @@ def _coefficients_impl(
     if N:
         part, sq, splits = _projection(x_BTSD, phi_PC, N, PP)
         bn = _tail_block(cfg, N, SP)
-        kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
+        kb = _splits_per_load(splits, bn, PP)
         traceable(K.coeff_tail)[(cdiv(N, bn),)](
             part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
             N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, KB=kb,

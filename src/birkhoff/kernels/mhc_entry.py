@@ -29,13 +29,14 @@ from torch import Tensor
 
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc import (
-    TAIL_ELEMENTS,
     TAIL_PROGRAMS,
     _coefficients_fake,
     _launch,
     _op_inputs,
     _pads,
     _projection,
+    _splits_per_load,
+    _tail_block,
 )
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 
@@ -61,7 +62,7 @@ def pre_mix_norm(
     if N:
         part, sq, splits = _projection(x_ATSD, phi_PC, N, PP)
         bn = max(1, min(pow2(cdiv(N, TAIL_PROGRAMS)), ENTRY_ELEMENTS // BD))
-        kb = min(pow2(splits), max(1, TAIL_ELEMENTS // (bn * PP)))  # splits per load
+        kb = _splits_per_load(splits, bn, PP)
         K.pre_mix_norm[(cdiv(N, bn),)](
             part, sq, x_ATSD, weight_D.contiguous(), alpha, bias_P, raw_ATP, rstd, y_ATD,
             N, D, splits, norm_eps, eps, rms_eps, S=S, SP=SP, P=P, PP=PP, KB=kb, BN=bn, BD=BD,
@@ -82,13 +83,12 @@ def post_res(
 ) -> None:  # fmt: skip
     """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
     N, S = rstd.numel(), post_ATS.shape[-1]
-    SP = pad_streams(S)
-    # few programs: it runs beside F, whose kernels should keep the SMs
-    bn = min(int(_launch("coeff_tail", None, S)["BN"]), pow2(cdiv(N, REST_PROGRAMS)))
+    SP, cfg = pad_streams(S), _launch("coeff_tail", None, S)
+    bn = _tail_block(cfg, N, SP, REST_PROGRAMS)  # few programs: F's kernels keep the SMs
     if N:
         K.coeff_rest[(cdiv(N, bn),)](
             raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S, SP=SP,
-            P=raw_ATP.shape[-1], BN=bn, num_warps=max(1, min(4, bn * SP * SP // 128)),
+            P=raw_ATP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
         )  # fmt: skip
 
 

@@ -255,8 +255,9 @@ def coeff_rest(
     raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, N, hc_eps, iters,
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """H_post and H_res from the raw logits and rstd a coeff_tail with WITH_RES=False wrote: the
-    same arithmetic on the same stored values, so the results equal coeff_tail's bit for bit."""
+    """H_post and H_res from the raw logits and rstd that coeff_tail (WITH_RES=False) or
+    pre_mix_norm stored: coeff_tail's arithmetic (`_post_res`) on the same stored values (bit
+    for bit under the interpreter; compiled, its reductions may run in another order)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     rstd = tl.load(rstd_ptr + n, mask=n_ok, other=0.0)
