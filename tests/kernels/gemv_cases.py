@@ -1,4 +1,4 @@
-"""Checks of the fused one-row matmul `kernels.gemv` against F.linear, shared by the
+"""Checks of the fused few-row matmul `kernels.gemv` against F.linear, shared by the
 interpreter (CPU) and the CUDA tests.
 
 Tolerances: fp32 within 2e-5 of max(1, |y|) (fp32 sums in another order); bf16 / fp16 within
@@ -14,9 +14,12 @@ import torch.nn.functional as F
 
 from birkhoff.kernels.gemv import gemv
 
-# (leading shape of x, N, K, bias): one K tile and several, N not a multiple of BN, K odd
+# (leading shape of x, N, K, bias): one K tile and several, N not a multiple of BN, K odd;
+# one row and 2-4 (a row count that is no power of two among them)
 GEMV_CASES = [((1,), 24, 40, False), ((1, 1), 7, 300, True), ((1, 1, 1), 2001, 64, True),
-              ((1, 1), 5, 3001, False), ((1,), 1, 1, True)]  # fmt: skip
+              ((1, 1), 5, 3001, False), ((1,), 1, 1, True), ((2,), 9, 700, True),
+              ((1, 3), 33, 1030, False), ((2, 2), 768, 768, True),
+              ((1, 4, 1), 3, 5, True)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -42,7 +45,9 @@ def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
 
 def check_gemv_rejects(device: str) -> None:
     w = torch.randn(4, 8, device=device)
-    with pytest.raises(ValueError, match="not one row"):
-        gemv(torch.randn(2, 8, device=device), w, None)
+    with pytest.raises(ValueError, match="not 1 to 4 rows of 8 features"):
+        gemv(torch.randn(5, 8, device=device), w, None)
+    with pytest.raises(ValueError, match="not 1 to 4 rows of 8 features"):
+        gemv(torch.randn(0, 8, device=device), w, None)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         gemv(torch.randn(1, 4, device=device), w.t(), None)

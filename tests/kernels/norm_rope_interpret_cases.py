@@ -80,36 +80,45 @@ def test_silu_mul_matches_swiglu(dtype: torch.dtype, F: int) -> None:
 
 def test_engine_steps_run_the_fused_per_token_ops() -> None:
     """With fused kernels the engine's prefill, decode and speculative steps call the fused
-    attention prologue, decode attention, SwiGLU and mHC entry, and a one-row step the fused
-    matmul (no silent fallback to the eager ops)."""
+    attention prologue, decode attention, SwiGLU and mHC entry, and the few-row matmul exactly
+    where `gemv.serves` says (no silent fallback to the eager ops)."""
     from collections import Counter
 
     from mhc_model_cases import build_model, tiny_config
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from birkhoff.engine import Engine, SamplingParams
+    from birkhoff.kernels.gemv import serves
 
     class Calls(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.seen: Counter[str] = Counter()
+            self.gemv_shapes: set[tuple[int, int, int]] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.seen[str(func).split(".")[1] if str(func).startswith("birkhoff") else ""] += 1
+            name = str(func).split(".")[1] if str(func).startswith("birkhoff") else ""
+            self.seen[name] += 1
+            if name == "gemv":
+                x, w = args[0], args[1]
+                self.gemv_shapes.add((x.numel() // w.shape[1], *w.shape))
             return func(*args, **(kwargs or {}))
 
     model = build_model(tiny_config(mtp_depth=1, mhc_kernels="triton"), "cpu")
     engine = Engine.from_model(model, device="cpu", dtype=torch.float32)
-    with Calls() as calls:
+    D = model.cfg.dim
+    with Calls() as calls:  # two rows, verify and draft chunks of 2-3 positions
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
-    assert calls.seen["gemv"] == 0  # two rows: cuBLAS
+    assert calls.gemv_shapes and all(serves(*shape) for shape in calls.gemv_shapes)
+    assert {(rows, N) for rows, N, _ in calls.gemv_shapes} >= {(2, D), (4, D)}  # wo and down
+    assert all(N <= K for rows, N, K in calls.gemv_shapes if rows > 1)  # qkv etc.: cuBLAS
     with Calls() as calls:
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
         engine.generate([[6, 7]], SamplingParams(3))
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
     for op in ("rope_cache", "decode_attention", "silu_mul", "mhc_entry", "mhc_entry_rest"):
         assert calls.seen[op] > 0, (op, calls.seen)
-    assert calls.seen["gemv"] > 0  # a batch-1 decode step's projections
+    assert (1, 3 * D, D) in calls.gemv_shapes  # a batch-1 decode step's fused qkv
     assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches
 
 

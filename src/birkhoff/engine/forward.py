@@ -239,6 +239,7 @@ def mtp_forward(
         h_prev_ATSD, F.embedding(tokens_AT, w["embed.weight"]), w[prefix + "hidden_norm.weight"],
         w[prefix + "embed_norm.weight"], eps=cfg.norm_eps,
         project=lambda merged: linear(merged, w, prefix + "proj.weight", kernels=cfg.mhc_kernels),
+        kernels=cfg.mhc_kernels,
     )  # fmt: skip
     x_ATSD = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk)
     return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)

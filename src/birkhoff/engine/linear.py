@@ -4,10 +4,11 @@ Every projection reads its weight from the engine's weight dict by name, so repl
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
 fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
 `fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
-first. With fused kernels on, an unquantized matmul of one activation row (batch-1 decode) is
-`kernels.gemv` (cuBLAS's tiles left most of the GPU idle there). Left out: caching the
-dequantized weights between calls. `weight` is the lookup with dequantization for callers that
-do their own matmuls (the stacked experts of engine/moe.py).
+first. With fused kernels on, an unquantized matmul of a few activation rows is `kernels.gemv`
+where `gemv.serves` says it is faster (one row: batch-1 decode; 2-4 rows of the output and down
+projections: verify and draft passes), as cuBLAS's tiles left most of the GPU idle there. Left
+out: caching the dequantized weights between calls. `weight` is the lookup with dequantization
+for callers that do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def linear(
 ) -> Tensor:  # fmt: skip
     """x @ W^T (+ b) with W = weights[name] (block fp8 if it has a scale: fp8 matmul or
     dequantized) and b = weights[bias] when a bias name is given (biases are never quantized).
-    `kernels` (`birkhoff.kernels.use_fused`): a single row goes to the fused `kernels.gemv`."""
+    `kernels` (`birkhoff.kernels.use_fused`): a few rows may go to the fused `kernels.gemv`."""
     w = weights[name]
     b = None if bias is None else weights[bias]
     scale_inv = weights.get(name + SCALE_SUFFIX)
     if scale_inv is None:
-        if x.numel() == x.shape[-1] and use_fused(x, kernels) and w.stride(-1) == 1:
-            from birkhoff.kernels.gemv import gemv
+        if use_fused(x, kernels) and w.stride(-1) == 1:
+            from birkhoff.kernels import gemv
 
-            return gemv(x, w, b)  # type: ignore[no-any-return]
+            if gemv.serves(x.numel() // x.shape[-1], *w.shape):
+                return gemv.gemv(x, w, b)  # type: ignore[no-any-return]
         return F.linear(x, w, b)
     if fp8_matmul.supported(x):
         out = fp8_matmul.fp8_linear(x, w, scale_inv)

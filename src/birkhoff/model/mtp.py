@@ -96,12 +96,14 @@ class MTPDepth(nn.Module):
 
 def mtp_merge(
     h_BTSD: Tensor, emb_BTD: Tensor, hidden_norm_D: Tensor, embed_norm_D: Tensor, *, eps: float,
-    project: Callable[[Tensor], Tensor],
+    project: Callable[[Tensor], Tensor], kernels: str = "eager",
 ) -> Tensor:  # fmt: skip
     """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(emb)] on every stream -> [B,T,S,D].
 
     `project` applies W_k ([D, 2D]) to the concatenation [B,T,S,2D]; the trainer passes its
-    nn.Linear, the engine its (possibly fp8) matmul, so both run this one function.
+    nn.Linear, the engine its (possibly fp8) matmul, so both run this one function. `kernels`
+    (the engine's `cfg.mhc_kernels`) selects the fused inference RMSNorm for the two norms.
     """
-    e_BTSD = rms_norm(emb_BTD, embed_norm_D, eps)[:, :, None, :].expand_as(h_BTSD)
-    return project(torch.cat((rms_norm(h_BTSD, hidden_norm_D, eps), e_BTSD), dim=-1))
+    e_BTD = rms_norm(emb_BTD, embed_norm_D, eps, kernels=kernels)
+    h_BTSD = rms_norm(h_BTSD, hidden_norm_D, eps, kernels=kernels)
+    return project(torch.cat((h_BTSD, e_BTD[:, :, None, :].expand_as(h_BTSD)), dim=-1))
