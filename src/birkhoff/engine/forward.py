@@ -54,7 +54,7 @@ Weights = dict[str, Tensor]
 DECODE_QUERIES = 64  # query vectors per (row, kv head) up to which fused attention serves
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Chunk:
     """Where one forward call reads and writes the caches."""
 
@@ -64,8 +64,14 @@ class Chunk:
     valid_AT: Tensor  # real (not padding) tokens
     cos_ATK: Tensor  # rope tables at the positions, [A,T,K/2]
     sin_ATK: Tensor
-    mask_A1TN: Tensor  # key position <= query position
     limit: int  # keys are slots 0..limit-1
+
+    @functools.cached_property
+    def mask_A1TN(self) -> Tensor:
+        """key position <= query position, [A,1,T,limit]: built on first use (the SDPA path's;
+        the fused decode attention reads positions instead)."""
+        keys_N = torch.arange(self.limit, device=self.positions_AT.device)
+        return (keys_N[None, None, :] <= self.positions_AT[:, :, None])[:, None]
 
 
 def chunk_at(
@@ -74,10 +80,8 @@ def chunk_at(
 ) -> Chunk:  # fmt: skip
     """The chunk of `positions_AT` (trash for padding) of cache rows `rows_A`, from device
     tensors only (no host sync: usable inside a CUDA graph capture)."""
-    keys_N = torch.arange(limit, device=positions_AT.device)
-    mask_A1TN = (keys_N[None, None, :] <= positions_AT[:, :, None])[:, None]
     cos, sin = rope[0][positions_AT], rope[1][positions_AT]
-    return Chunk(rows_A, prefix_rows, positions_AT, valid_AT, cos, sin, mask_A1TN, limit)
+    return Chunk(rows_A, prefix_rows, positions_AT, valid_AT, cos, sin, limit)
 
 
 def read_cache(cache: KVCache, layer: int, chunk: Chunk) -> tuple[Tensor, Tensor]:

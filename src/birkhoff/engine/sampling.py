@@ -88,9 +88,9 @@ class RowSampling(NamedTuple):
 
     def select(self, rows_A: Tensor, repeat: int = 1) -> RowSampling:
         """The params of `rows_A`, each repeated `repeat` times (for [A, T] flattened logits)."""
-        t, k, p, g = (x[rows_A] for x in self[:4])
         if repeat > 1:
-            t, k, p, g = (x.repeat_interleave(repeat) for x in (t, k, p, g))
+            rows_A = rows_A.repeat_interleave(repeat)
+        t, k, p, g = (x[rows_A] for x in self[:4])
         return RowSampling(t, k, p, g, self.filtered)
 
 
