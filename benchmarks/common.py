@@ -40,6 +40,15 @@ def timed(fn: Callable[[], Any], device: str | torch.device, repeats: int, *, wa
     return statistics.median(times)
 
 
+def copy_bandwidth(device: str | torch.device, repeats: int = 5, num_bytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy of `num_bytes` (read + write counted), median of
+    `repeats` timed copies: the rate the kernels' traffic is compared with."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats, warmup=2)
+    return 2 * num_bytes / seconds
+
+
 def graph_seconds(fn: Callable[[], Any], calls: int, *, replays: int = 3) -> float:
     """Device seconds per call of `fn` on CUDA: `calls` calls captured in one CUDA graph (after
     one warm-up call on a side stream), replayed `replays` times between two events. Unlike

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, json_args, same_active_moe, sync
+from common import REPO_ROOT, copy_bandwidth, json_args, same_active_moe, sync
 from decode_peer import device_seconds, hf_peer
 
 from birkhoff.config import ModelConfig
@@ -77,19 +77,6 @@ def train(cfg: ModelConfig, steps: int, device: torch.device, lr: float = 3e-3) 
             mtp = [round(x.item(), 3) for x in out.mtp_losses]
             print(f"train step {step}: main {out.main_loss.item():.3f} mtp {mtp}")  # type: ignore[union-attr]
     return model.eval()
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 28) -> float:
-    """Bytes/s of a device copy (counts read + write)."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    start, reps = time.perf_counter(), 5
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * num_bytes * reps / (time.perf_counter() - start)
 
 
 def bytes_per_step(engine: Engine, batch: int, context: float) -> float:
@@ -356,7 +343,7 @@ def main() -> None:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device, num_bytes=1 << 28)
     print(f"device {device}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     result: dict[str, Any] = {"device": str(device), "copy_bandwidth_bytes_per_s": bandwidth,
                               "args": json_args(args)}  # fmt: skip

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import graph_seconds, json_args
-from mhc_kernels import RESULTS, copy_bandwidth
+from common import copy_bandwidth, graph_seconds, json_args
+from mhc_kernels import RESULTS
 
 from birkhoff.kernels import attention
 

@@ -30,21 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import sync, timed
+from common import copy_bandwidth, sync, timed
 from torch import Tensor
 
 from birkhoff.model import hyper
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def copy_bandwidth(device: str, repeats: int) -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), device, repeats, warmup=2)
-    return 2 * src.numel() * 4 / seconds
 
 
 def make_inputs(args: argparse.Namespace) -> dict[str, Tensor]:

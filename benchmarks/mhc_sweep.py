@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import graph_seconds, json_args
+from common import copy_bandwidth, graph_seconds, json_args
 from mhc_kernels import (
     RESULTS,
     add_shape_args,
     compulsory_bytes,
-    copy_bandwidth,
     make_inputs,
     op_table,
 )
