@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from gemv_cases import DTYPES, GEMV_CASES, check_gemv, check_gemv_rejects
-from mhc_model_cases import check_engine_greedy
+from mhc_model_cases import check_engine_tokens
 from norm_rope_cases import (
     NORM_CASES,
     ROPE_CASES,
@@ -63,7 +63,7 @@ def test_custom_op_registration(name: str) -> None:
 
 
 def test_engine_greedy_tokens_fused_equal_eager() -> None:
-    check_engine_greedy("cpu")
+    check_engine_tokens("cpu")
 
 
 @pytest.mark.parametrize(("dtype", "H", "G", "K"), ROPE_CASES)
@@ -116,7 +116,9 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
         engine.generate([[6, 7]], SamplingParams(3))
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
-    for op in ("rope_cache", "decode_attention", "silu_mul", "mhc_entry", "mhc_entry_rest"):
+    ops = ("rope_cache", "decode_attention", "silu_mul", "mhc_entry", "mhc_entry_rest",
+           "sample_rows")  # fmt: skip
+    for op in ops:
         assert calls.seen[op] > 0, (op, calls.seen)
     assert (1, 3 * D, D) in calls.gemv_shapes  # a batch-1 decode step's fused qkv
     assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches

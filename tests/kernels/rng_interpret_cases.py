@@ -1,5 +1,5 @@
-"""Fused splitmix64 uniforms against the eager reference under the Triton interpreter on CPU
-(run by test_mhc_interpret.py in a fresh process)."""
+"""Fused splitmix64 uniforms and per-row sampling against the eager reference under the Triton
+interpreter on CPU (run by test_mhc_interpret.py in a fresh process)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 import pytest
 from rng_cases import SIZES, check_request_random, check_uniform_bits
+from sample_cases import SAMPLE_CASES, check_sample_edges, check_sample_rows
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
@@ -20,3 +21,12 @@ def test_uniform_bits_equal_eager(size: int) -> None:
 
 def test_request_random_fused_equals_eager() -> None:
     check_request_random("cpu")
+
+
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=str)
+def test_sample_rows_match_eager(case: tuple) -> None:
+    check_sample_rows("cpu", case)
+
+
+def test_sample_rows_edges_and_errors() -> None:
+    check_sample_edges("cpu")

@@ -16,7 +16,7 @@ from mhc_cases import (
     check_sublayer,
     make_inputs,
 )
-from mhc_model_cases import check_engine_greedy, check_safe_reclaim, check_train_step
+from mhc_model_cases import check_engine_tokens, check_safe_reclaim, check_train_step
 
 from birkhoff.model import hyper
 
@@ -74,7 +74,7 @@ def test_train_step_fused_matches_eager(autocast: bool) -> None:
 
 
 def test_engine_greedy_tokens_fused_equal_eager() -> None:
-    check_engine_greedy("cuda")
+    check_engine_tokens("cuda")
 
 
 def test_checkpointed_blocks_rerun_fused_kernels_under_safe_reclaim() -> None:

@@ -1,10 +1,11 @@
-"""Fused splitmix64 uniforms on CUDA against the eager reference."""
+"""Fused splitmix64 uniforms and per-row sampling on CUDA against the eager reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from rng_cases import SIZES, check_request_random, check_uniform_bits
+from sample_cases import SAMPLE_CASES, check_sample_edges, check_sample_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,3 +20,12 @@ def test_uniform_bits_equal_eager(size: int) -> None:
 
 def test_request_random_fused_equals_eager() -> None:
     check_request_random("cuda")
+
+
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=str)
+def test_sample_rows_match_eager(case: tuple) -> None:
+    check_sample_rows("cuda", case)
+
+
+def test_sample_rows_edges_and_errors() -> None:
+    check_sample_edges("cuda")

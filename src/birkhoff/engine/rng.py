@@ -104,10 +104,6 @@ class RequestRandom:
         bits = splitmix64(key ^ counter)  # keys are random: one mix suffices
         return _shr(bits, 11).double() * 2.0**-53  # 53 random bits -> [0, 1) exactly
 
-    def sample(self, probs_NV: Tensor, rows_N: Tensor, positions_N: Tensor, tag: int) -> Tensor:
-        """One token per row from (unnormalised, non-negative) `probs_NV`."""
-        return sample_inverse_cdf(probs_NV, self.uniform(rows_N, positions_N, tag))
-
 
 def sample_inverse_cdf(probs_NV: Tensor, u_N: Tensor) -> Tensor:
     """The first index whose cumulative mass exceeds u * total: exact sampling from probs.

@@ -45,7 +45,7 @@ from birkhoff.engine.forward import (
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE
 from birkhoff.engine.rows import RowState
-from birkhoff.engine.sampling import sample_logits
+from birkhoff.engine.sampling import sample_tokens
 from birkhoff.engine.speculative import accept_drafts
 
 
@@ -70,8 +70,9 @@ def sample_next(
     """(token [A], its logprob [A]) sampled from the main model's logits at pending position n,
     written to tokens_BN at n + 1."""
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
-    logp_AV, probs_AV = sample_logits(logits_AV, rs)
-    next_A = ctx.rows.rng.sample(probs_AV, rows_A, n_A, SAMPLE)
+    u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
+    logp_AV, _, next_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
+    assert next_A is not None
     ctx.rows.tokens_BN[rows_A, torch.where(live_A, n_A + 1, ctx.cache.trash)] = next_A
     return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
 
@@ -169,8 +170,9 @@ def draft(
         logits_AV = lm_head(
             head_ATD[torch.arange(len(rows_A), device=device), last_A], ctx.w, ctx.cfg
         )
-        _, q_AV = sample_logits(logits_AV, rs)
-        draft_A = ctx.rows.rng.sample(q_AV, rows_A, n_A, DRAFT + k)
+        u_A = ctx.rows.rng.uniform(rows_A, n_A, DRAFT + k)
+        _, q_AV, draft_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
+        assert draft_A is not None
         tokens_BN[rows_A, torch.where(live_A, n_A + k, trash)] = draft_A
         drafts.append(draft_A)
         qs.append(q_AV)
@@ -195,7 +197,7 @@ def verify(
     ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
     ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
     rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
-    logp_AV, p_AV = sample_logits(logits_ATV.reshape(A * T, -1), rs)  # A*T rows
+    logp_AV, p_AV, _ = sample_tokens(logits_ATV.reshape(A * T, -1), rs, None, ctx.cfg.mhc_kernels)
     tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)
     u_AJ = ctx.rows.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
     u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
