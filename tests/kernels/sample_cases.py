@@ -2,7 +2,8 @@
 of engine/sampling.py and rng.sample_inverse_cdf, run in the Triton interpreter on CPU
 (rng_interpret_cases.py) and on CUDA (test_rng_gpu.py).
 
-Tolerances (kernels/sample_triton.py): logp within 1e-5 of max(1, |logp|), probs within 1e-6;
+Tolerances (kernels/sample_triton.py): logp within 1e-5 of max(1, |logp|), probs within the
+same relative error of logp (|dp| ~ p |dlogp|; GPU exp and log are approximations);
 greedy tokens exactly the argmax; sampled tokens equal to the eager draws with the same
 uniforms (the rounding differences would have to land u * total within ~1e-6 of a boundary).
 """
@@ -45,7 +46,8 @@ def check_sample_rows(device: str, case: tuple) -> None:
     f_logp, f_probs, f_token = sample_tokens(logits, rs, u, "triton")
     assert f_logp.dtype == torch.float32 and f_probs.shape == (N, V) and f_token is not None
     assert _largest((f_logp - logp).abs() / logp.abs().clamp(min=1)) <= 1e-5
-    assert _largest((f_probs - probs).abs()) <= 1e-6
+    bound = 1e-5 * probs * logp.abs().clamp(min=1) + 1e-12
+    assert _largest((f_probs - probs).abs() - bound) <= 0
     assert torch.equal(f_token, token)
     assert torch.equal(f_probs[rs.greedy_A], probs[rs.greedy_A])  # one-hot at the argmax
     _, _, greedy_token = sample_rows(logits, rs.temperature_A, rs.greedy_A, None)
