@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         p.error("times GPU matmuls: needs CUDA")
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "calls": {}}
+    # a decoder layer's projections per row count: cuBLAS alone, and what linear runs
+    layer: dict[int, dict[str, float]] = {}
     head = ("rows", "N x K", "cuBLAS us", "gemv us", "ratio", "gemv GB/s", "linear")
     print("{:>4} {:>11} {:>10} {:>8} {:>6} {:>10} {:>7}".format(*head))
     with torch.no_grad():
@@ -66,6 +68,9 @@ def main(argv: list[str]) -> int:
                 r = measure(rows, N, K, args.replays)
                 r["linear_picks"] = "gemv" if serves(rows, N, K) else "cublas"
                 result["calls"][f"{rows}/{shape}"] = r
+                both = layer.setdefault(rows, {"cublas_us": 0.0, "linear_us": 0.0})
+                both["cublas_us"] += r["cublas_us"]
+                both["linear_us"] += r[f"{r['linear_picks']}_us"]
                 line = f"{rows:>4} {shape:>11} {r['cublas_us']:>10.2f}"
                 if "gemv_us" in r:
                     g = r["gemv_us"]
@@ -75,13 +80,6 @@ def main(argv: list[str]) -> int:
     out = args.out or REPO_ROOT / "benchmarks/results/gemv-cuda.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    # a decoder layer's four projections per row count: cuBLAS alone, and what linear runs
-    layer: dict[str, Any] = {}
-    for key, v in result["calls"].items():
-        rows_key = key.split("/")[0]
-        both = layer.setdefault(rows_key, {"cublas_us": 0.0, "linear_us": 0.0})
-        both["cublas_us"] += v["cublas_us"]
-        both["linear_us"] += v["gemv_us"] if v["linear_picks"] == "gemv" else v["cublas_us"]
     print(json.dumps({k: {n: round(t, 2) for n, t in v.items()} for k, v in layer.items()}))
     return 0
 

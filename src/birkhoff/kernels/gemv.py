@@ -21,8 +21,8 @@ from birkhoff.kernels import gemv_triton as G
 from birkhoff.kernels.mhc_mix import check_inputs, pow2
 
 MAX_ROWS = 4
-# H200 sweeps (docs/results.md): one row, and 2-4 rows
-CONFIG = {1: dict(BN=4, BK=1024, num_warps=2), 4: dict(BN=2, BK=512, num_warps=2)}
+# H200 sweeps (docs/results.md): one row, and 2 to MAX_ROWS rows
+CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
 
 
 def serves(rows: int, N: int, K: int) -> bool:
@@ -44,7 +44,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight rows must be contiguous, strides {weight.stride()}")
     y = x.new_empty((*x.shape[:-1], N))
-    cfg = CONFIG[1 if rows == 1 else MAX_ROWS]
+    cfg = CONFIG["one" if rows == 1 else "few"]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     G.gemv[(-(-N // bn),)](
         x.contiguous(), weight, weight if bias is None else bias, y, rows, N, K, weight.stride(0),
