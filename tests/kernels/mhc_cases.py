@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -309,3 +310,32 @@ def check_hyper_entry(
 
 def _no_rms(opts: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in opts.items() if k != "rms_eps"}
+
+
+def check_exit(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """The engine's exit (`mhc_entry.mix_out_proj`): its new streams are mix out's (bit for
+    bit), and the next entry from its projection partials equals that entry with its own
+    projection (the sums run in another order: raw logits within 2e-6 and rstd 1e-6 of their
+    scale; so H_pre moves by ~1e-7 and the normed input within 1e-5 of its scale, or two of
+    its dtype's ulps there). The next phi is served (the engine's layout)."""
+    from birkhoff.kernels import mhc, mhc_entry
+
+    inp = make_inputs(c, device, dtype)
+    post = torch.rand(c.B, c.T, c.S, device=device) * 2.0
+    res = torch.rand(c.B, c.T, c.S, c.S, device=device)
+    phi = mhc.served_phi(inp["phi"].float())
+    alpha, bias = inp["alpha"].float(), inp["bias"].float()
+    weight = 1.0 + 0.1 * torch.arange(c.D, device=device, dtype=dtype).sin()
+    opts = (1e-6, 1e-6, 1e-5)
+    with torch.no_grad():
+        new, part, sq = mhc_entry.mix_out_proj(inp["x"], inp["f_in"], post, res, phi)
+        want = mhc.mix_out(inp["x"], inp["f_in"], post, res)
+        chained = mhc_entry.pre_mix_norm(new, phi, alpha, bias, weight, *opts, part, sq)
+        direct = mhc_entry.pre_mix_norm(new, phi, alpha, bias, weight, *opts)
+    assert torch.equal(new, want), (new.float() - want.float()).abs().max().item()
+    (y, raw, rstd), (y_ref, raw_ref, rstd_ref) = chained, direct
+    assert_close([raw], [raw_ref], 2e-6, "raw logits")
+    assert_close([rstd], [rstd_ref], 1e-6, "rstd")
+    assert_close([y], [y_ref], max(1e-5, 2.0 * torch.finfo(dtype).eps), "normed input")
+    with pytest.raises(ValueError, match="phi of shape"):
+        mhc_entry.mix_out_proj(inp["x"], inp["f_in"], post, res, phi[:, :-1])

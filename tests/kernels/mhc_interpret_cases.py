@@ -14,6 +14,7 @@ from mhc_cases import (
     check_bf16_streams_keep_fp32_precision,
     check_both_streams_gradients_matter,
     check_contraction,
+    check_exit,
     check_hyper,
     check_hyper_entry,
     check_sublayer,
@@ -42,6 +43,12 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 5, 6, 9, 10)], ids=case_id)
 def test_engine_entry_equals_the_training_ops(case: Case) -> None:
     check_hyper_entry(case, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 3, 4, 5, 6, 7, 10)], ids=case_id)
+def test_engine_exit_projects_for_the_next_entry(case: Case, dtype: torch.dtype) -> None:
+    check_exit(case, "cpu", dtype)
 
 
 def test_engine_entry_rejects_a_norm_weight_of_another_dim() -> None:

@@ -99,6 +99,9 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             name = str(func).split(".")[1] if str(func).startswith("birkhoff") else ""
             self.seen[name] += 1
+            part = args[8] if len(args) > 8 else (kwargs or {}).get("part")
+            if name == "mhc_entry" and part is not None:
+                self.seen["mhc_entry from mhc_exit"] += 1
             if name == "gemv":
                 x, w = args[0], args[1]
                 self.gemv_shapes.add((x.numel() // w.shape[1], *w.shape))
@@ -117,9 +120,12 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
         engine.generate([[6, 7]], SamplingParams(3))
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
     ops = ("rope_cache", "decode_attention", "silu_mul", "mhc_entry", "mhc_entry_rest",
-           "sample_rows")  # fmt: skip
+           "mhc_exit", "sample_rows")  # fmt: skip
     for op in ops:
         assert calls.seen[op] > 0, (op, calls.seen)
+    # every mix out but the MTP merge's input projects for the entry after it, which reads that
+    assert calls.seen["mhc_entry from mhc_exit"] == calls.seen["mhc_exit"], calls.seen
+    assert calls.seen["mhc_exit"] == calls.seen["mhc_entry_rest"], calls.seen
     assert (1, 3 * D, D) in calls.gemv_shapes  # a batch-1 decode step's fused qkv
     assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches
 

@@ -73,7 +73,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
-    from birkhoff.kernels import mhc, mhc_entry, mhc_mix
+    from birkhoff.kernels import mhc, mhc_configs, mhc_entry, mhc_mix
     from birkhoff.kernels import mhc_grad_triton as G
     from birkhoff.kernels import mhc_mix_triton as M
     from birkhoff.kernels import mhc_triton as K
@@ -134,6 +134,11 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
+    const, launch = split(mhc_configs.CONFIG["mix_out_proj"])
+    for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
+        prec = dict(PREC="ieee" if dtype == "fp32" else "tf32x3", PP=mhc._pads(S, P)[1], S=S)
+        usage[f"mix_out_proj/{P}"] = compile_for_h200(M.mix_out_proj, types, prec | const, launch)
+    const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
     for write in (True, False):
         consts = dict(S=S, WRITE_GX=write) | const
         usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)

@@ -11,6 +11,7 @@ from mhc_cases import (
     case_id,
     check_bf16_streams_keep_fp32_precision,
     check_contraction,
+    check_exit,
     check_hyper,
     check_hyper_entry,
     check_sublayer,
@@ -43,6 +44,12 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case, dtype: torch.
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_engine_entry_equals_the_training_ops(case: Case, graphed: bool) -> None:
     check_hyper_entry(case, "cuda", torch.bfloat16, graphed=graphed)
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_engine_exit_projects_for_the_next_entry(case: Case, dtype: torch.dtype) -> None:
+    check_exit(case, "cuda", dtype)
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=case_id)

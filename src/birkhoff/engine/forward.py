@@ -16,7 +16,8 @@ fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mh
 on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
 ops forward-only: a step needs no gradient), elsewhere as the eager reference; a fused
 hyper-connection enters its sublayer through `kernels.mhc_entry` (coefficients, mix in and
-norm after the projection as one launch; H_post and H_res on a side stream beside F).
+norm after the projection as one launch; H_post and H_res on a side stream beside F), and its
+mix out also projects the new streams for the next entry's coefficients.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
 repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
@@ -147,36 +148,45 @@ def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Te
     return mlp(x_ATD, w, prefix, cfg.mhc_kernels)
 
 
+Proj = tuple[Tensor, Tensor] | None  # an entry's projection partials, from the mix out before
+
+
 def hyper(
     x_ATSD: Tensor, w: Weights, prefix: str, norm: str, cfg: ModelConfig,
-    sublayer: Callable[[Tensor], Tensor],
-) -> Tensor:  # fmt: skip
-    """One mHC-wrapped sublayer F(RMSNorm(.) * w[norm]) (S = 1: the plain residual). With fused
-    kernels the coefficients, mix in and norm are `mhc_entry.hyper_entry`, whose H_post and
-    H_res (the Sinkhorn) run on a side stream beside F, joined before mix out."""
+    sublayer: Callable[[Tensor], Tensor], proj: Proj = None, next_hc: str | None = None,
+) -> tuple[Tensor, Proj]:  # fmt: skip
+    """One mHC-wrapped sublayer F(RMSNorm(.) * w[norm]) (S = 1: the plain residual), and the
+    projection partials of its output for the hyper-connection `next_hc` (a weight prefix) that
+    reads it next. With fused kernels the coefficients, mix in and norm are
+    `mhc_entry.hyper_entry` (from `proj` where the previous mix out made it), whose H_post and
+    H_res (the Sinkhorn) run on a side stream beside F, joined before mix out; mix out also
+    projects the new streams for `next_hc` (`mhc_entry.mix_out_proj`). Elsewhere no partials."""
 
     def normed(h_ATD: Tensor) -> Tensor:
         return sublayer(rms_norm(h_ATD, w[norm], cfg.norm_eps, kernels=cfg.mhc_kernels))
 
     if cfg.num_streams == 1:
-        return plain_residual(x_ATSD, normed)
+        return plain_residual(x_ATSD, normed), None
     phi, alpha, bias = w[prefix + "phi"], w[prefix + "alpha"], w[prefix + "bias"]
     iters, eps = cfg.sinkhorn_iters, cfg.mhc_eps
     if not use_fused(x_ATSD, cfg.mhc_kernels):
         return hyper_connection(x_ATSD, phi, alpha, bias, normed, iters=iters,
-                                norm_eps=cfg.norm_eps, eps=eps, kernels="eager")  # fmt: skip
+                                norm_eps=cfg.norm_eps, eps=eps, kernels="eager"), None  # fmt: skip
     from birkhoff.kernels import mhc, mhc_entry
 
     side = side_stream(x_ATSD.device)
     x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
         x_ATSD, phi, alpha, bias, w[norm], iters=iters, norm_eps=cfg.norm_eps, eps=eps,
-        rms_eps=cfg.norm_eps, stream=side,
+        rms_eps=cfg.norm_eps, stream=side, proj=proj,
     )  # fmt: skip
     f_ATD = sublayer(y_ATD)
     if side is not None:
         torch.cuda.current_stream(x_ATSD.device).wait_stream(side)
     del read  # what the side stream reads is freed only after the join
-    return mhc.mix_out(x_ATSD, f_ATD, post, res)
+    if next_hc is None:
+        return mhc.mix_out(x_ATSD, f_ATD, post, res), None
+    x_ATSD, part, sq = mhc_entry.mix_out_proj(x_ATSD, f_ATD, post, res, w[next_hc + "phi"])
+    return x_ATSD, (part, sq)
 
 
 @functools.cache
@@ -187,19 +197,23 @@ def side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def block(
     x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, cache: KVCache, layer: int,
-    chunk: Chunk,
-) -> Tensor:  # fmt: skip
-    x_ATSD = hyper(
+    chunk: Chunk, proj: Proj, next_hc: str,
+) -> tuple[Tensor, Proj]:  # fmt: skip
+    """One block; `proj` and `next_hc` as `hyper` takes them, for its first and last entry."""
+    x_ATSD, proj = hyper(
         x_ATSD, w, prefix + "hc_attn.", prefix + "attn_norm.weight", cfg,
-        lambda h_ATD: attention(h_ATD, w, prefix, cfg, cache, layer, chunk),
+        lambda h_ATD: attention(h_ATD, w, prefix, cfg, cache, layer, chunk), proj,
+        prefix + "hc_mlp.",
     )  # fmt: skip
     return hyper(
         x_ATSD, w, prefix + "hc_mlp.", prefix + "mlp_norm.weight", cfg,
-        lambda h_ATD: feed_forward(h_ATD, w, prefix, cfg),
+        lambda h_ATD: feed_forward(h_ATD, w, prefix, cfg), proj, next_hc,
     )  # fmt: skip
 
 
-def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
+def contract_norm(
+    x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, proj: Proj = None
+) -> Tensor:
     """Output contraction of the streams, then the final norm: the lm_head input [A,T,D]."""
     norm = w[prefix + "norm.weight"]
     if cfg.num_streams == 1:
@@ -208,8 +222,10 @@ def contract_norm(x_ATSD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> 
     if use_fused(x_ATSD, cfg.mhc_kernels):
         from birkhoff.kernels import mhc_entry
 
-        return mhc_entry.contract_norm(x_ATSD, phi, alpha, bias, norm, norm_eps=cfg.norm_eps,
-                                       eps=cfg.mhc_eps, rms_eps=cfg.norm_eps)  # fmt: skip
+        return mhc_entry.contract_norm(
+            x_ATSD, phi, alpha, bias, norm, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
+            rms_eps=cfg.norm_eps, proj=proj,
+        )  # fmt: skip
     h_ATD = contract(x_ATSD, phi, alpha, bias, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,
                      kernels="eager")  # fmt: skip
     return rms_norm(h_ATD, norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
@@ -226,9 +242,11 @@ def main_forward(
 ) -> tuple[Tensor, Tensor]:
     """(multistream [A,T,S,D], lm_head input [A,T,D]) of the main model; fills its cache."""
     x_ATSD = expand_streams(F.embedding(tokens_AT, w["embed.weight"]), cfg.num_streams)
-    for i in range(cfg.num_layers):
-        x_ATSD = block(x_ATSD, w, f"layers.{i}.", cfg, cache, i, chunk)
-    return x_ATSD, contract_norm(x_ATSD, w, "", cfg)
+    proj: Proj = None
+    for i in range(L := cfg.num_layers):
+        next_hc = f"layers.{i + 1}.hc_attn." if i + 1 < L else "contraction."
+        x_ATSD, proj = block(x_ATSD, w, f"layers.{i}.", cfg, cache, i, chunk, proj, next_hc)
+    return x_ATSD, contract_norm(x_ATSD, w, "", cfg, proj)
 
 
 def mtp_forward(
@@ -245,8 +263,9 @@ def mtp_forward(
         project=lambda merged: linear(merged, w, prefix + "proj.weight", kernels=cfg.mhc_kernels),
         kernels=cfg.mhc_kernels,
     )  # fmt: skip
-    x_ATSD = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk)
-    return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg)
+    x_ATSD, proj = block(x_ATSD, w, prefix + "block.", cfg, cache, depth, chunk, None,
+                         prefix + "contraction.")  # fmt: skip
+    return x_ATSD, contract_norm(x_ATSD, w, prefix, cfg, proj)
 
 
 # --- the model passes of a step (engine/step.py adds chunks, sampling and acceptance) ---

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc import (
     TAIL_PROGRAMS,
@@ -38,7 +39,9 @@ from birkhoff.kernels.mhc import (
     _splits_per_load,
     _tail_block,
 )
+from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
+from birkhoff.kernels.mhc_phi import padded_logits, projection_phi
 
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
 REST_PROGRAMS = 8  # coeff_rest's grid at decode sizes
@@ -47,10 +50,12 @@ REST_PROGRAMS = 8  # coeff_rest's grid at decode sizes
 @torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
 def pre_mix_norm(
     x_ATSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor, weight_D: Tensor,
-    norm_eps: float, eps: float, rms_eps: float,
+    norm_eps: float, eps: float, rms_eps: float, part: Tensor | None = None,
+    sq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(RMSNorm(sum_j H_pre[j] x_j) * weight [A,T,D] in x's dtype, raw logits [A,T,P] and rstd
-    [A,T] in fp32) for contiguous x, phi as `mhc` takes it, fp32 alpha and bias."""
+    [A,T] in fp32) for contiguous x, phi as `mhc` takes it, fp32 alpha and bias. `part` and
+    `sq`: x's projection partials from `mix_out_proj` (None: coeff_proj computes them)."""
     check_inputs(x_ATSD, phi_PC, weight_D)
     (S, D), P = x_ATSD.shape[-2:], phi_PC.shape[0]
     if tuple(weight_D.shape) != (D,):
@@ -59,8 +64,14 @@ def pre_mix_norm(
     (SP, PP), BD = _pads(S, P), max(16, pow2(D))
     _, _, _, y_ATD, raw_ATP, rstd = _coefficients_fake(x_ATSD, phi_PC, False, True)
     N = rstd.numel()
-    if N:
+    if part is not None and sq is not None:
+        if part.shape[1:] != (N, PP) or tuple(sq.shape) != part.shape[:2]:
+            raise ValueError(f"mhc_entry: projection partials {tuple(part.shape)} / "
+                             f"{tuple(sq.shape)} for {N} tokens and {P} logits")  # fmt: skip
+        splits = part.shape[0]
+    elif N:
         part, sq, splits = _projection(x_ATSD, phi_PC, N, PP)
+    if N:
         bn = max(1, min(pow2(cdiv(N, TAIL_PROGRAMS)), ENTRY_ELEMENTS // BD))
         kb = _splits_per_load(splits, bn, PP)
         K.pre_mix_norm[(cdiv(N, bn),)](
@@ -72,8 +83,42 @@ def pre_mix_norm(
 
 
 @pre_mix_norm.register_fake
-def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps):  # type: ignore[no-untyped-def]
+def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps, part=None, sq=None):  # type: ignore[no-untyped-def]  # noqa: E501
     return _coefficients_fake(x_ATSD, phi_PC, False, True)[3:]
+
+
+@torch.library.custom_op("birkhoff::mhc_exit", mutates_args=())
+def mix_out_proj(
+    x_ATSD: Tensor, f_ATD: Tensor, post_ATS: Tensor, res_ATSS: Tensor, phi_PC: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(mix out's new streams, as `mhc.mix_out`; and their projection partials [ND, N, PP] and
+    sums of squares [ND, N] for the next entry, whose coefficients `phi_PC` takes): one pass
+    over the streams where mix out and the next coeff_proj made two. fp32 H_post and H_res."""
+    check_inputs(x_ATSD, f_ATD)
+    S, D = x_ATSD.shape[-2:]
+    if phi_PC.shape[1] != S * D:
+        raise ValueError(f"mhc_exit: phi of shape {tuple(phi_PC.shape)}, streams [.., {S}, {D}]")
+    y_ATSD, part, sq = _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC)
+    N, PP = sq.shape[1], part.shape[-1]
+    if N:
+        cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
+        cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
+        cfg["BK"] = min(cfg["BK"], cfg["BD"])
+        prec = "ieee" if x_ATSD.dtype == torch.float32 else "tf32x3"
+        M.mix_out_proj[(cdiv(N, cfg["BN"]), sq.shape[0])](
+            x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
+            S=S, PP=PP, PREC=prec, **cfg,
+        )  # fmt: skip
+    return y_ATSD, part, sq
+
+
+@mix_out_proj.register_fake
+def _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC):  # type: ignore[no-untyped-def]
+    (S, D), PP = x_ATSD.shape[-2:], padded_logits(phi_PC.shape[0])
+    N, ND = post_ATS.numel() // S, cdiv(D, min(int(CONFIG["mix_out_proj"]["BD"]), max(16, pow2(D))))
+    y_ATSD = torch.empty_like(x_ATSD, dtype=torch.promote_types(x_ATSD.dtype, f_ATD.dtype))
+    part = x_ATSD.new_empty((ND, N, PP), dtype=torch.float32)
+    return y_ATSD, part, x_ATSD.new_empty((ND, N), dtype=torch.float32)
 
 
 @torch.library.custom_op("birkhoff::mhc_entry_rest", mutates_args=("post_ATS", "res_ATSS"))
@@ -95,13 +140,15 @@ def post_res(
 def hyper_entry(
     x_ATSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, weight_D: Tensor, *,
     iters: int, norm_eps: float, eps: float, rms_eps: float, stream: torch.cuda.Stream | None,
+    proj: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
     """(x as read, the sublayer's input RMSNorm(sum_j H_pre[j] x_j) * weight, H_post, H_res,
     what `stream` reads). H_post and H_res are computed on `stream` (None: the current one):
-    the caller joins it before reading them and holds the last output until then."""
+    the caller joins it before reading them and holds the last output until then. `proj`: x's
+    projection partials, from the `mix_out_proj` that wrote x."""
     x_ATSD, phi_PC, alpha, bias_P = _op_inputs(x_ATSD, phi_PC, alpha_3, bias_P)
     y_ATD, raw_ATP, rstd = pre_mix_norm(
-        x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps
+        x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps, *(proj or (None, None))
     )
     # made here, on the current stream (allocations on `stream` inside a CUDA graph capture
     # invalidated the capture in a GPU test)
@@ -115,8 +162,8 @@ def hyper_entry(
 
 def contract_norm(
     x_ATSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, weight_D: Tensor, *,
-    norm_eps: float, eps: float, rms_eps: float,
+    norm_eps: float, eps: float, rms_eps: float, proj: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """RMSNorm(sum_s w_s x_s) * weight [A,T,D]: the output contraction and the final norm."""
     inputs = _op_inputs(x_ATSD, phi_SC, alpha_1, bias_S)
-    return pre_mix_norm(*inputs, weight_D, norm_eps, eps, rms_eps)[0]
+    return pre_mix_norm(*inputs, weight_D, norm_eps, eps, rms_eps, *(proj or (None, None)))[0]

@@ -9,6 +9,8 @@ The stream loops are `tl.static_range(S)` (unrolled). Sums over streams accumula
 - `mix_in_fwd`: y = sum_j h[j] x_j.
 - `mix_in_bwd`: g_x_j = h[j] g_y; g_h[j] = <g_y, x_j> as one partial per D block.
 - `mix_out_fwd`: y_k = sum_j h_res[j, k] x_j + h_post[k] f.
+- `mix_out_proj` (the engine's): mix_out_fwd plus the next sublayer's coefficient projection of
+  the new streams, as partials per D block (no second pass over the streams).
 - `mix_out_bwd`: g_f = sum_k h_post[k] g_y_k, g_x_j = sum_k h_res[j, k] g_y_k, and partials per
   D block of g_h_post[k] = <g_y_k, f> and g_h_res[j, k] = <x_j, g_y_k>.
 The reductions over D end inside a program (a [BN] sum of a [BN, BD] tile, within a warp for
@@ -64,6 +66,19 @@ def mix_in_bwd(
 
 
 @triton.jit
+def _mix_out_stream(x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD):
+    """Stream k of mix out on this tile, stored; returns it as stored, in fp32."""
+    y = tl.zeros([BN, BD], dtype=tl.float32)
+    for j in tl.static_range(S):
+        r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
+        y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
+    y = (y + post[:, None] * f).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row + k * D, y, mask=ok)
+    return y.to(tl.float32)
+
+
+@triton.jit
 def mix_out_fwd(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, N, D,
     S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -72,13 +87,39 @@ def mix_out_fwd(
     row = n64[:, None] * (S * D) + d[None, :]
     f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     for k in tl.static_range(S):
-        y = tl.zeros([BN, BD], dtype=tl.float32)
-        for j in tl.static_range(S):
-            r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
-            y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
-        y += post[:, None] * f
-        tl.store(y_ptr + row + k * D, y.to(y_ptr.dtype.element_ty), mask=ok)
+        _mix_out_stream(x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD)
+
+
+@triton.jit
+def mix_out_proj(
+    x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
+    S: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """mix_out_fwd on BN tokens and BD columns, BK columns at a time, and over the new streams
+    as stored, the next sublayer's coefficient projection on these S*BD columns: part [ND, N,
+    PP] (y @ phi^T, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
+    with the D blocks as splits. BK keeps the dot's operands few registers."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok, n64, p = n < N, n.to(tl.int64), tl.arange(0, PP)
+    sq = tl.zeros([BN], dtype=tl.float32)
+    raw = tl.zeros([BN, PP], dtype=tl.float32)
+    for d0 in range(tl.program_id(1) * BD, tl.minimum(tl.program_id(1) * BD + BD, D), BK):
+        d = d0 + tl.arange(0, BK)
+        ok = n_ok[:, None] & (d < D)[None, :]
+        row = n64[:, None] * (S * D) + d[None, :]
+        f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        for k in range(S):  # not unrolled: S copies of the dot's registers did not fit
+            y = _mix_out_stream(
+                x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BK
+            )  # zero outside the tile: every load there reads 0
+            sq += tl.sum(y * y, axis=1)
+            phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
+                            mask=(d < D)[:, None], other=0.0)  # fmt: skip
+            raw = tl.dot(y, phi_t, raw, input_precision=PREC)
+    split = tl.program_id(1).to(tl.int64) * N + n64
+    tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
+    tl.store(sq_ptr + split, sq, mask=n_ok)
 
 
 @triton.jit
