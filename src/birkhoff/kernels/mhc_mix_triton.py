@@ -94,29 +94,26 @@ def mix_out_fwd(
 def mix_out_proj(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
     S: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    BK: tl.constexpr,
 ):  # fmt: skip
-    """mix_out_fwd on BN tokens and BD columns, BK columns at a time, and over the new streams
-    as stored, the next sublayer's coefficient projection on these S*BD columns: part [ND, N,
-    PP] (y @ phi^T, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
-    with the D blocks as splits. BK keeps the dot's operands few registers."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok, n64, p = n < N, n.to(tl.int64), tl.arange(0, PP)
+    """mix_out_fwd, and over the new streams as stored, the next sublayer's coefficient
+    projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T, fp32 phit [C, PP]) and
+    sq [ND, N] (sum of squares), coeff_proj's partials with the D blocks as splits. Narrow
+    tiles (BD 16-32): decode's few tokens still fill the GPU, and a program's loads are all
+    issued at once (no loop over column blocks waiting out a memory latency per step)."""
+    n64, n_ok, d, ok = _tile(N, D, BN, BD)
+    row = n64[:, None] * (S * D) + d[None, :]
+    f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    p = tl.arange(0, PP)
     sq = tl.zeros([BN], dtype=tl.float32)
     raw = tl.zeros([BN, PP], dtype=tl.float32)
-    for d0 in range(tl.program_id(1) * BD, tl.minimum(tl.program_id(1) * BD + BD, D), BK):
-        d = d0 + tl.arange(0, BK)
-        ok = n_ok[:, None] & (d < D)[None, :]
-        row = n64[:, None] * (S * D) + d[None, :]
-        f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        for k in range(S):  # not unrolled: S copies of the dot's registers did not fit
-            y = _mix_out_stream(
-                x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BK
-            )  # zero outside the tile: every load there reads 0
-            sq += tl.sum(y * y, axis=1)
-            phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
-                            mask=(d < D)[:, None], other=0.0)  # fmt: skip
-            raw = tl.dot(y, phi_t, raw, input_precision=PREC)
+    for k in tl.static_range(S):
+        y = _mix_out_stream(
+            x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD
+        )  # zero outside the tile: every load there reads 0
+        sq += tl.sum(y * y, axis=1)
+        phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
+                        mask=(d < D)[:, None], other=0.0)  # fmt: skip
+        raw = tl.dot(y, phi_t, raw, input_precision=PREC)
     split = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + split, sq, mask=n_ok)
