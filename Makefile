@@ -21,4 +21,4 @@ lint: .venv/.installed
 	.venv/bin/mypy
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist worksteal
