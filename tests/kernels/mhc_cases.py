@@ -314,10 +314,11 @@ def _no_rms(opts: dict[str, float]) -> dict[str, float]:
 
 def check_exit(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None:
     """The engine's exit (`mhc_entry.mix_out_proj`): its new streams are mix out's (bit for
-    bit), and the next entry from its projection partials equals that entry with its own
-    projection (the sums run in another order: raw logits within 2e-6 and rstd 1e-6 of their
-    scale; so H_pre moves by ~1e-7 and the normed input within 1e-5 of its scale, or two of
-    its dtype's ulps there). The next phi is served (the engine's layout)."""
+    bit under the interpreter, within two ulps at their scale compiled), and the next entry
+    from its projection partials equals that entry with its own projection (the sums run in
+    another order: raw logits within 2e-6 and rstd 1e-6 of their scale; so H_pre moves by
+    ~1e-7 and the normed input within 1e-5 of its scale, or two of its dtype's ulps there).
+    The next phi is served (the engine's layout)."""
     from birkhoff.kernels import mhc, mhc_entry
 
     inp = make_inputs(c, device, dtype)
@@ -332,7 +333,9 @@ def check_exit(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None
         want = mhc.mix_out(inp["x"], inp["f_in"], post, res)
         chained = mhc_entry.pre_mix_norm(new, phi, alpha, bias, weight, *opts, part, sq)
         direct = mhc_entry.pre_mix_norm(new, phi, alpha, bias, weight, *opts)
-    assert torch.equal(new, want), (new.float() - want.float()).abs().max().item()
+    if device == "cpu":  # compiled, the two kernels may contract their FMAs differently
+        assert torch.equal(new, want), (new.float() - want.float()).abs().max().item()
+    assert_close([new], [want], 2.0 * torch.finfo(new.dtype).eps, "new streams")
     (y, raw, rstd), (y_ref, raw_ref, rstd_ref) = chained, direct
     assert_close([raw], [raw_ref], 2e-6, "raw logits")
     assert_close([rstd], [rstd_ref], 1e-6, "rstd")

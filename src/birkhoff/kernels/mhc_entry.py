@@ -103,10 +103,9 @@ def mix_out_proj(
     if N:
         cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
         cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
-        prec = "ieee" if x_ATSD.dtype == torch.float32 else "tf32x3"
         M.mix_out_proj[(cdiv(N, cfg["BN"]), sq.shape[0])](
             x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
-            S=S, SP=pad_streams(S), PP=PP, PREC=prec, **cfg,
+            S=S, PP=PP, **cfg,
         )  # fmt: skip
     return y_ATSD, part, sq
 

@@ -84,50 +84,34 @@ def mix_out_fwd(
 
 
 @triton.jit
-def _pick(t, idx, i, axis: tl.constexpr):
-    """t's slice at idx == i along `axis` (a sum of one value and zeros: exact)."""
-    return tl.sum(tl.where(idx == i, t, 0.0), axis=axis)
-
-
-@triton.jit
 def mix_out_proj(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
-    S: tl.constexpr, SP: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr,
-    BN: tl.constexpr, BD: tl.constexpr,
+    S: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """mix_out_fwd's arithmetic, and over the new streams as stored, the next sublayer's
-    coefficient projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T, fp32 phit
-    [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials with the D blocks as splits.
-    Every load is issued first, as [.., SP, ..] tiles the stream loops pick from: each dot's
-    layout change is a barrier, and loads behind it waited out a memory latency per stream."""
+    coefficient projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T with exact
+    fp32 products, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
+    with the D blocks as splits. Narrow tiles (BD 16): the dots stay few registers, and
+    decode's few tokens still get ~D / 16 programs."""
     n64, n_ok, d, ok = _tile(N, D, BN, BD)
-    s, p, ss = tl.arange(0, SP), tl.arange(0, PP), tl.arange(0, SP * SP)
-    s3 = s[None, :, None]
-    x3 = tl.load(
-        x_ptr + n64[:, None, None] * (S * D) + s3 * D + d[None, None, :],
-        mask=ok[:, None, :] & (s3 < S),
-        other=0.0,
-    ).to(tl.float32)  # [BN, SP, BD]
-    f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    j_of, k_of = ss // SP, ss % SP
-    res = tl.load(res_ptr + n64[:, None] * (S * S) + (j_of * S + k_of)[None, :],
-                  mask=n_ok[:, None] & ((j_of < S) & (k_of < S))[None, :], other=0.0)  # fmt: skip
-    post = tl.load(post_ptr + n64[:, None] * S + s[None, :], mask=n_ok[:, None] & (s < S)[None, :],
-                   other=0.0)  # fmt: skip
-    phi3 = tl.load(phit_ptr + (s[:, None, None] * D + d[None, :, None]) * PP + p[None, None, :],
-                   mask=(s < S)[:, None, None] & (d < D)[None, :, None], other=0.0)  # fmt: skip
     row = n64[:, None] * (S * D) + d[None, :]
+    f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    p = tl.arange(0, PP)
     sq = tl.zeros([BN], dtype=tl.float32)
     raw = tl.zeros([BN, PP], dtype=tl.float32)
     for k in tl.static_range(S):
         y = tl.zeros([BN, BD], dtype=tl.float32)
         for j in tl.static_range(S):
-            y += _pick(res, ss[None, :], j * SP + k, 1)[:, None] * _pick(x3, s3, j, 1)
-        y = (y + _pick(post, s[None, :], k, 1)[:, None] * f).to(y_ptr.dtype.element_ty)
+            r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
+            y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
+        y = (y + post[:, None] * f).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row + k * D, y, mask=ok)
         yv = y.to(tl.float32)  # zero outside the tile: every load there reads 0
         sq += tl.sum(yv * yv, axis=1)
-        raw = tl.dot(yv, _pick(phi3, s[:, None, None], k, 0), raw, input_precision=PREC)
+        phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
+                        mask=(d < D)[:, None], other=0.0)  # fmt: skip
+        raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
     split = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + split, sq, mask=n_ok)
