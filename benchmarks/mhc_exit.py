@@ -1,0 +1,103 @@
+"""The engine's fused sublayer exit (`mhc_entry.mix_out_proj`: mix out plus the next entry's
+coefficient projection) against the pair of launches it replaces (`mhc.mix_out`, then
+coeff_proj), in the same run, at decode sizes.
+
+Legend: N tokens (a decode step's rows), S streams, D model dim.
+
+Device microseconds per call: COPIES distinct stream tensors and phis called in turn inside one
+CUDA graph, replayed (`common.graph_seconds`), so each call reads its streams from HBM as a
+decode step's sublayers do. Besides CONFIG's tile, `--variants` times other tiles of the fused
+kernel ("BDxWARPS", read from `mhc_configs.CONFIG` at each call).
+
+  python benchmarks/mhc_exit.py                       # N 1, 64, 256 at the h200-small trunk
+  python benchmarks/mhc_exit.py --variants 16x2,32x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import REPO_ROOT, graph_seconds, json_args
+
+from birkhoff.kernels import mhc, mhc_entry
+from birkhoff.kernels.mhc_configs import CONFIG
+from birkhoff.kernels.mhc_phi import padded_logits
+
+COPIES = 8
+
+
+def measure(N: int, S: int, D: int, variants: list[str], replays: int) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(N)
+    P = S * S + 2 * S
+    xs = [torch.randn(N, S, D, device="cuda", generator=g).bfloat16() for _ in range(COPIES)]
+    f = torch.randn(N, D, device="cuda", generator=g).bfloat16()
+    post = torch.rand(N, S, device="cuda", generator=g)
+    res = torch.rand(N, S, S, device="cuda", generator=g)
+    phis = [
+        mhc.served_phi(0.02 * torch.randn(P, S * D, device="cuda", generator=g))
+        for _ in range(COPIES)
+    ]
+
+    def pair() -> None:
+        for x, phi in zip(xs, phis, strict=True):
+            y = mhc.mix_out(x, f, post, res)
+            mhc._projection(y, phi, N, padded_logits(P))
+
+    def fused() -> None:
+        for x, phi in zip(xs, phis, strict=True):
+            mhc_entry.mix_out_proj(x, f, post, res, phi)
+
+    out = {"pair_us": graph_seconds(pair, 1, replays=replays) * 1e6 / COPIES}
+    out["mix_out_us"] = graph_seconds(
+        lambda: [mhc.mix_out(x, f, post, res) for x in xs], 1, replays=replays
+    ) * 1e6 / COPIES  # fmt: skip
+    default = dict(CONFIG["mix_out_proj"])
+    for name in ["config", *variants]:
+        if name != "config":
+            bd, warps = (int(v) for v in name.split("x"))
+            CONFIG["mix_out_proj"] = dict(default, BD=bd, num_warps=warps)
+        try:
+            out[f"{name}_us"] = graph_seconds(fused, 1, replays=replays) * 1e6 / COPIES
+        finally:
+            CONFIG["mix_out_proj"] = default
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", default="1,64,256")
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--variants", default="16x2,32x4", help="BDxWARPS tiles of the fused kernel")
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("times GPU kernels: needs CUDA")
+    variants = [v for v in args.variants.split(",") if v]
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "tokens": {}}
+    names = ["pair", "mix_out", "config", *variants]
+    print("{:>5} ".format("N") + " ".join(f"{n + ' us':>12}" for n in names) + f" {'saved':>7}")
+    with torch.no_grad():
+        for N in (int(n) for n in args.tokens.split(",")):
+            r = measure(N, args.streams, args.dim, variants, args.replays)
+            r["saved_us"] = r["pair_us"] - r["config_us"]
+            result["tokens"][N] = r
+            cells = " ".join(f"{r[n + '_us']:>12.2f}" for n in names)
+            print(f"{N:>5} {cells} {r['saved_us']:>7.2f}")
+    result["args"] = json_args(args)
+    out = args.out or REPO_ROOT / "benchmarks/results/mhc-exit-cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    summary = {N: {k: round(v, 2) for k, v in r.items()} for N, r in result["tokens"].items()}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
