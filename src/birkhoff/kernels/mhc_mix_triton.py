@@ -66,6 +66,20 @@ def mix_in_bwd(
 
 
 @triton.jit
+def _mix_out_stream(x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD):
+    """New stream k of the tile, sum_j h_res[j, k] x_j + h_post[k] f, stored; returns it as
+    stored, in fp32."""
+    y = tl.zeros([BN, BD], dtype=tl.float32)
+    for j in tl.static_range(S):
+        r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
+        y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
+    y = (y + post[:, None] * f).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row + k * D, y, mask=ok)
+    return y.to(tl.float32)
+
+
+@triton.jit
 def mix_out_fwd(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, N, D,
     S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -74,13 +88,7 @@ def mix_out_fwd(
     row = n64[:, None] * (S * D) + d[None, :]
     f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     for k in tl.static_range(S):
-        y = tl.zeros([BN, BD], dtype=tl.float32)
-        for j in tl.static_range(S):
-            r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
-            y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
-        y += post[:, None] * f
-        tl.store(y_ptr + row + k * D, y.to(y_ptr.dtype.element_ty), mask=ok)
+        _mix_out_stream(x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD)
 
 
 @triton.jit
@@ -100,14 +108,9 @@ def mix_out_proj(
     sq = tl.zeros([BN], dtype=tl.float32)
     raw = tl.zeros([BN, PP], dtype=tl.float32)
     for k in tl.static_range(S):
-        y = tl.zeros([BN, BD], dtype=tl.float32)
-        for j in tl.static_range(S):
-            r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
-            y += r[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + n64 * S + k, mask=n_ok, other=0.0)
-        y = (y + post[:, None] * f).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row + k * D, y, mask=ok)
-        yv = y.to(tl.float32)  # zero outside the tile: every load there reads 0
+        yv = _mix_out_stream(
+            x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD
+        )  # zero outside the tile: every load there reads 0
         sq += tl.sum(yv * yv, axis=1)
         phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
                         mask=(d < D)[:, None], other=0.0)  # fmt: skip
