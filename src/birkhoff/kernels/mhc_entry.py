@@ -1,11 +1,12 @@
-"""The engine's fused mHC entries, forward only: the coefficients, the mix in and the RMSNorm
-that follows it as one launch after the projection, with H_post and H_res on another stream.
+"""The engine's fused mHC entries and exit, forward only: the coefficients, the mix in and the
+RMSNorm that follows it as one launch after the projection, with H_post and H_res on another
+stream; and mix out with the next entry's projection.
 
 Legend: A active rows, T tokens (any leading shape works), S streams, D model dim, P logits.
 
-Both are forward-only custom ops (`birkhoff::mhc_entry`, `birkhoff::mhc_entry_rest`). In a
-decode step every sublayer's coefficients are a chain of small launches on the critical
-path, each mostly latency. Two things shorten it:
+All are forward-only custom ops (`birkhoff::mhc_entry`, `birkhoff::mhc_entry_rest`,
+`birkhoff::mhc_exit`). In a decode step every sublayer's coefficients are a chain of small
+launches on the critical path, each mostly latency. Three things shorten it:
 - H_pre alone gates the sublayer's input; H_post and H_res (the 2 t_max-step Sinkhorn, most of
   the coefficients' latency at decode sizes) are read only by mix out, after F. `hyper_entry`
   launches them (`coeff_rest`, from the raw logits and rstd the entry stored) on a stream the
@@ -15,9 +16,14 @@ path, each mostly latency. Two things shorten it:
   applies the sublayer's RMSNorm, one program per few tokens over all D columns: the tail, mix
   in and norm launches of the training ops in one. The output contraction and the final norm
   (`contract_norm`) take the same kernel.
+- `mix_out_proj` writes the new streams and, from them as stored, the partials of the next
+  entry's projection (per 16-column block, exact fp32 products), which that entry then sums
+  instead of running coeff_proj: one pass over the streams where two were.
 Values: the same arithmetic as the training ops' launches (coeff_tail, mix_in_fwd,
-rms_norm_fwd), bit for bit under the interpreter; compiled, a kernel's reductions may run in
-another order (H_res within ~1e-7, the normed input within an ulp; tests/kernels).
+rms_norm_fwd, mix_out_fwd), bit for bit under the interpreter, except that the exit's
+projection sums in another order than coeff_proj (raw logits within 2e-6 of their scale);
+compiled, a kernel's reductions may run in another order (H_res within ~1e-7, the normed input
+within an ulp; tests/kernels).
 `REST_PROGRAMS` keeps coeff_rest's grid narrow: beside a GEMM, a wide grid took SMs that the
 GEMM's tiles then waited for (docs/results.md).
 """
