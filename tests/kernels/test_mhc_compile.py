@@ -134,14 +134,13 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
+    for write in (True, False):
+        consts = dict(S=S, WRITE_GX=write) | const
+        usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
     const, launch = split(mhc_configs.CONFIG["mix_out_proj"])
     for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
         consts = dict(S=S, PP=mhc._pads(S, P)[1]) | const
         usage[f"mix_out_proj/{P}"] = compile_for_h200(M.mix_out_proj, types, consts, launch)
-    const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
-    for write in (True, False):
-        consts = dict(S=S, WRITE_GX=write) | const
-        usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
     return usage
 
 

@@ -93,22 +93,30 @@ def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps, part=None
     return _coefficients_fake(x_ATSD, phi_PC, False, True)[3:]
 
 
+def _exit_launch(D: int) -> dict[str, int]:
+    """mix_out_proj's launch parameters (CONFIG's, BD cut to D); its D blocks are the splits."""
+    cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
+    cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
+    return cfg
+
+
 @torch.library.custom_op("birkhoff::mhc_exit", mutates_args=())
 def mix_out_proj(
     x_ATSD: Tensor, f_ATD: Tensor, post_ATS: Tensor, res_ATSS: Tensor, phi_PC: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(mix out's new streams, as `mhc.mix_out`; and their projection partials [ND, N, PP] and
     sums of squares [ND, N] for the next entry, whose coefficients `phi_PC` takes): one pass
-    over the streams where mix out and the next coeff_proj made two. fp32 H_post and H_res."""
+    over the streams where mix out and the next coeff_proj made two."""
     check_inputs(x_ATSD, f_ATD)
     S, D = x_ATSD.shape[-2:]
     if phi_PC.shape[1] != S * D:
         raise ValueError(f"mhc_exit: phi of shape {tuple(phi_PC.shape)}, streams [.., {S}, {D}]")
+    x_ATSD, f_ATD = x_ATSD.contiguous(), f_ATD.contiguous()  # as mhc.mix_out reads them
+    post_ATS, res_ATSS = post_ATS.float().contiguous(), res_ATSS.float().contiguous()
     y_ATSD, part, sq = _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC)
     N, PP = sq.shape[1], part.shape[-1]
     if N:
-        cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
-        cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
+        cfg = _exit_launch(D)
         M.mix_out_proj[(cdiv(N, cfg["BN"]), sq.shape[0])](
             x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
             S=S, PP=PP, **cfg,
@@ -119,7 +127,7 @@ def mix_out_proj(
 @mix_out_proj.register_fake
 def _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC):  # type: ignore[no-untyped-def]
     (S, D), PP = x_ATSD.shape[-2:], padded_logits(phi_PC.shape[0])
-    N, ND = post_ATS.numel() // S, cdiv(D, min(int(CONFIG["mix_out_proj"]["BD"]), max(16, pow2(D))))
+    N, ND = post_ATS.numel() // S, cdiv(D, _exit_launch(D)["BD"])
     y_ATSD = torch.empty_like(x_ATSD, dtype=torch.promote_types(x_ATSD.dtype, f_ATD.dtype))
     part = x_ATSD.new_empty((ND, N, PP), dtype=torch.float32)
     return y_ATSD, part, x_ATSD.new_empty((ND, N), dtype=torch.float32)
