@@ -84,7 +84,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
             "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
             "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr", "part_ptr", "sq_ptr")  # fmt: skip
     types = {n: f32 for n in ptrs}
-    types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gn_ptr")}
+    types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gr_ptr")}
     types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
     types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
     types |= dict(norm_eps=floats, hc_eps=floats)
@@ -118,7 +118,8 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
                 G.grad_x, types | terms,
-                dict(S=S, P=P, PP=PP, MIX=mix, RES=res, EMU=False) | const, launch,
+                dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0, EMU=False)
+                | const, launch,
             )  # fmt: skip
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
@@ -131,12 +132,11 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
                 {},
             )
     const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
-    for kernel in (M.mix_in_fwd, M.mix_out_fwd):
+    for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
     for write in (True, False):
         consts = dict(S=S, WRITE_GX=write) | const
         usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
-        usage[f"mix_out_bwd/{write}"] = compile_for_h200(M.mix_out_bwd, types, consts, launch)
     const, launch = split(mhc_configs.CONFIG["mix_out_proj"])
     for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
         consts = dict(S=S, PP=mhc._pads(S, P)[1]) | const

@@ -23,11 +23,10 @@ Design choices:
 - One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
   backward folds g_y into g_H_pre and adds H_pre g_y to grad_x's g_x, so x's gradient from the
   coefficients and the mix in is written once.
-- `hyper_sublayer` (a whole sublayer) has the op's node also return x, as a view (a
+- `coefficients_and_mix_in_streams` also returns x, as a view from the same autograd node (a
   `torch.autograd.Function` around the op: a custom op's outputs may not alias its inputs);
-  the mix out that reads it (`mix_out_handing`) hands its new streams' gradient g_n back to
-  that node, and grad_x adds H_res g_n, so x's gradient from a whole sublayer is one kernel's
-  write, with no autograd add, and mix out's backward writes no g_x.
+  the mix out that reads it sends its g_x to that node, and grad_x adds it too, so x's gradient
+  from a whole sublayer is one kernel's write, with no autograd add.
 - Launch parameters: `mhc_configs.CONFIG`, read at every call (no `triton.autotune`, whose
   first call syncs inside a graph capture or compiled region).
 - Coefficients come out in fp32 (Sinkhorn in bf16 is unstable); the mixes accumulate in fp32
@@ -37,8 +36,6 @@ Design choices:
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -54,7 +51,6 @@ from birkhoff.kernels.mhc_mix import (
     mix_in_into,
     mix_in_weight_grad,
     mix_out,
-    mix_out_handing,
     pad_streams,
     pow2,
 )
@@ -62,8 +58,8 @@ from birkhoff.kernels.mhc_phi import is_served, padded_logits, projection_phi, s
 from birkhoff.kernels.ops import FusedOp, traceable
 
 __all__ = [
-    "check_inputs", "coefficients_and_mix_in", "contract", "contraction_weights",
-    "hyper_sublayer", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
+    "check_inputs", "coefficients_and_mix_in", "coefficients_and_mix_in_streams", "contract",
+    "contraction_weights", "mhc_coefficients", "mix_in", "mix_out", "served_phi",
 ]  # fmt: skip
 
 # ---- coefficients (+ Sinkhorn) -------------------------------------------------------------
@@ -193,27 +189,24 @@ _coefficients_op = FusedOp("mhc_coefficients", _coefficients_impl, _coefficients
 
 
 def _coefficients_bwd_impl(
-    g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, g_n: Tensor, res_n: Tensor,
-    x_BTSD: Tensor, phi_PC: Tensor, pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor,
-    alpha: Tensor, bias_P: Tensor, iters: int, with_res: bool, eps: float,
+    g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, g_r: Tensor, x_BTSD: Tensor,
+    phi_PC: Tensor, pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
+    iters: int, with_res: bool, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b). g_y: the gradient of
     the mix in (shape [0] if the op did not mix in); g_pre of shape [0] with a mix in: H_pre's
-    gradient is the mix in's term alone; g_n: the gradient of the new streams of the mix out
-    that read x with H_res = res_n (both shape [0] if not handed over), whose residual path
-    H_res g_n joins the one write of g_x."""
+    gradient is the mix in's term alone; g_r: x's gradient from mix out's residual
+    path (shape [0] if not handed over). Both join the one write of g_x."""
+    if g_r.numel() and g_r.shape != x_BTSD.shape:
+        raise ValueError(f"g_r has shape {tuple(g_r.shape)}, x {tuple(x_BTSD.shape)}")
     S, D = x_BTSD.shape[-2:]
-    if g_n.numel() and (g_n.shape != x_BTSD.shape or res_n.shape != (*x_BTSD.shape[:-1], S)):
-        raise ValueError(
-            f"g_n has shape {tuple(g_n.shape)}, res_n {tuple(res_n.shape)}, x {tuple(x_BTSD.shape)}"
-        )
     N, C, P = rstd_BT.numel(), S * D, phi_PC.shape[0]
     g_raw, g_a = torch.empty_like(raw_BTP), torch.empty_like(raw_BTP)
     coef_BT = torch.empty_like(rstd_BT)
     g_x = torch.empty_like(x_BTSD)
     if not N:
         return g_x, torch.zeros_like(phi_PC), g_a
-    mix, res = g_y.numel() > 0, g_n.numel() > 0
+    mix, res = g_y.numel() > 0, g_r.numel() > 0
     if mix:  # H_pre also reached the loss through y: g_pre += <g_y, x_j> (g_pre [0]: zero)
         g_mix = mix_in_weight_grad(g_y, x_BTSD, pre)
         g_pre = g_pre + g_mix if g_pre.numel() else g_mix
@@ -227,12 +220,11 @@ def _coefficients_bwd_impl(
     tokens = int(cfg.pop("TOKENS", cfg["BN"]))
     if cfg["PREC"] == "fma":  # one block of BN tokens a program (the kernel's fma branch)
         tokens = int(cfg["BN"])
-    cfg["BC"] = min(int(cfg["BC"]), max(16, pow2(D)))
-    grid = (cdiv(N, tokens), cdiv(D, int(cfg["BC"])))
+    grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
     phi = projection_phi(phi_PC, 3) if cfg["PREC"] == "bf16x3" else phi_PC.float().contiguous()
     traceable(G.grad_x)[grid](
-        g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_n if res else g_raw,
-        res_n if res else g_raw, N, D, tokens, S=S, P=P, PP=PP, MIX=mix, RES=res,
+        g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
+        N, C, D, S, tokens, P=P, PP=PP, MIX=mix, RES=res, WHOLE=D % int(cfg["BC"]) == 0,
         EMU=INTERPRET, **cfg,
     )  # fmt: skip
     cfg = _launch("grad_phi", x_BTSD, S)
@@ -246,7 +238,7 @@ def _coefficients_bwd_impl(
     return g_x, g_phi, g_a
 
 
-def _coefficients_bwd_fake(g_pre, g_post, g_res, g_y, g_n, res_n, x_BTSD, phi_PC, pre, raw_BTP, *_):  # type: ignore[no-untyped-def]  # noqa: E501
+def _coefficients_bwd_fake(g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, *_):  # type: ignore[no-untyped-def]  # noqa: E501
     return torch.empty_like(x_BTSD), torch.empty_like(phi_PC), torch.empty_like(raw_BTP)
 
 
@@ -255,13 +247,10 @@ _coefficients_bwd_op = FusedOp(
 )
 
 
-def _save(ctx, inputs, output, handing: bool = False) -> None:  # type: ignore[no-untyped-def]
-    """Save what the backward reads; handing: also H_res, for the mix out that hands back its
-    new streams' gradient (`hyper_sublayer`)."""
+def _save(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, _norm_eps, eps = inputs
-    pre, _, res, _, raw_BTP, rstd_BT = output
-    kept = (x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P)
-    ctx.save_for_backward(*kept, *((res,) if handing else ()))
+    pre, _, _, _, raw_BTP, rstd_BT = output
+    ctx.save_for_backward(x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P)
     ctx.hyper = (iters, with_res, with_mix, eps)
 
 
@@ -270,11 +259,10 @@ def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped
     ctx.mark_non_differentiable(*output[4:])  # raw logits, rstd
 
 
-def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_n):  # type: ignore[no-untyped-def]
+def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no-untyped-def]
     """(g_x, g_phi, g_alpha, g_bias) from the outputs' gradients (None: zero) and what `_save`
-    kept; g_n: the gradient of the new streams of the mix out that read x with this node's
-    H_res (None: none), whose residual path H_res g_n grad_x adds into g_x."""
-    x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P, *res_n = ctx.saved_tensors
+    kept; g_r: x's gradient from mix out's residual path, added into g_x (None: nothing)."""
+    x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
     iters, with_res, with_mix, eps = ctx.hyper
     specs = _output_specs(x_BTSD, phi_PC, with_res, with_mix)
     if g_pre is None and with_mix and g_y is not None:
@@ -286,11 +274,10 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_n):  # type: ignore[no
         g.contiguous() if g is not None else x_BTSD.new_zeros(shape, dtype=dtype)
         for g, (shape, dtype) in zip((g_pre, g_post, g_res, g_y), specs[:4], strict=True)
     )
-    none = x_BTSD.new_empty((0,))
-    g_n, res_n = (none, none) if g_n is None else (g_n.contiguous(), res_n[0])
+    g_r = x_BTSD.new_empty((0,)) if g_r is None else g_r.contiguous()
     g_x, g_phi, g_a = _coefficients_bwd_op(
-        g_pre, g_post, g_res, g_y, g_n, res_n, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha,
-        bias_P, iters, with_res, eps,
+        g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P,
+        iters, with_res, eps,
     )  # fmt: skip
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
     P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
@@ -310,21 +297,20 @@ _coefficients_op.register_autograd(_coefficients_backward, setup_context=_coeffi
 
 class _CoefficientsMixInStreams(torch.autograd.Function):
     """The coefficient op with the mix in, whose node also gives x back, as a view (a custom
-    op's outputs may not alias its inputs, and a copy would cost more). The gradient that
-    reaches the view is not x's: `mix_out_handing`, its one reader, hands back its new streams'
-    gradient g_n, and this node's backward adds H_res g_n into the op's one write of g_x."""
+    op's outputs may not alias its inputs, and a copy would cost more than the add it saves).
+    A mix out that reads this view sends its g_x here, into the op's one write of g_x."""
 
     @staticmethod
     def forward(ctx, x_BTSD, phi_PC, alpha, bias_P, iters, norm_eps, eps):  # type: ignore[no-untyped-def]
         inputs = (x_BTSD, phi_PC, alpha, bias_P, iters, True, True, norm_eps, eps)
         pre, post, res, y_BTD, raw_BTP, rstd_BT = _coefficients_op(*inputs)
-        _save(ctx, inputs, (pre, post, res, y_BTD, raw_BTP, rstd_BT), handing=True)
+        _save(ctx, inputs, (pre, post, res, y_BTD, raw_BTP, rstd_BT))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros
         return y_BTD, pre, post, res, x_BTSD.view_as(x_BTSD)
 
     @staticmethod
-    def backward(ctx, g_y, g_pre, g_post, g_res, g_n):  # type: ignore[no-untyped-def]
-        return *_coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_n), None, None, None
+    def backward(ctx, g_y, g_pre, g_post, g_res, g_r):  # type: ignore[no-untyped-def]
+        return *_coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r), None, None, None
 
 
 def _op_inputs(
@@ -369,18 +355,15 @@ def coefficients_and_mix_in(
     return y, pre, post, res
 
 
-def hyper_sublayer(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor,
-    sublayer: Callable[[Tensor], Tensor], *, iters: int, norm_eps: float, eps: float,
-) -> Tensor:  # fmt: skip
-    """One fused mHC sublayer, y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j:
-    the coefficient op with the mix in, F, and a mix out whose backward hands its new streams'
-    gradient g_n back to the coefficient node (through its view of x, read by nothing else), so
-    x's gradient from the whole sublayer is grad_x's one write, H_res g_n included: no autograd
-    add, and no [B,T,S,D] g_x from mix out's backward."""
+def coefficients_and_mix_in_streams(
+    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
+    iters: int, norm_eps: float, eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """`coefficients_and_mix_in` and the streams again, [B,T,S,D], for `mix_out` to read: a view
+    of x from the same autograd node, so the op's backward adds mix out's g_x (H_res g_y) into
+    its one write of g_x, and autograd sums no gradients for x."""
     inputs = _op_inputs(x_BTSD, phi_PC, alpha_3, bias_P)
-    y_BTD, _, post, res, x_view = _CoefficientsMixInStreams.apply(*inputs, iters, norm_eps, eps)
-    return mix_out_handing(x_view, sublayer(y_BTD), post, res)
+    return _CoefficientsMixInStreams.apply(*inputs, iters, norm_eps, eps)  # type: ignore[no-any-return]
 
 
 def contraction_weights(

@@ -5,10 +5,9 @@ padded to a power of two (>= 16). g_raw [N, P] is the gradient of the raw logits
 (from `mhc_triton.coeff_bwd`).
 
 - `grad_x`: g_x = g_raw @ phi + coef * x (the RMS term), + the mix in's h g_y when the op
-  also mixed in, + mix out's residual path H_res g_n (from the gradient g_n of the new
-  streams) when the sublayer handed g_n over, so g_x is written once: P exact fp32 FMAs per
-  element, or for bf16 streams (written in bf16) three bf16 dots of split operands (~2^-15
-  relative).
+  also mixed in, + mix out's residual-path g_x when the sublayer handed it over, so g_x is
+  written once: P exact fp32 FMAs per element, or for bf16 streams (written in bf16) three
+  bf16 dots of split operands (~2^-15 relative).
 - `grad_phi`: g_phi = g_raw^T @ x as partials over blocks of tokens, summed by the caller, on
   tensor cores (bf16 x: g_raw split into three bf16 terms, x read as stored).
 The bf16 dots run as fp32 dots of the same values under the Triton interpreter (EMU).
@@ -24,78 +23,70 @@ from birkhoff.kernels.mhc_triton import dot_bf16, split3
 
 @triton.jit
 def grad_x(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gn_ptr, res_ptr, N, D, TOKENS,
-    S: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
-    RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, TOKENS,
+    P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
+    RES: tl.constexpr, WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    EMU: tl.constexpr,
 ):  # fmt: skip
-    """g_x_j = (g_raw @ phi)_j + coef * x_j (+ h[j] g_y for the mix in y = sum_j h[j] x_j when
-    MIX; + sum_k h_res[j, k] g_n_k, the residual path of the mix out that read these streams,
-    from the gradient g_n of its new streams and its h_res [N, S, S], when RES) over BC columns
-    d of every stream j, for TOKENS tokens BN at a time, written once in the dtype of x. Each
-    program walks the S streams of its columns, so g_y and g_raw are read once and g_n's S
-    tiles are reloaded from L1. The product has only P terms: PREC "fma" runs them as exact
-    fp32 FMAs (phi fp32 [P, C]), one term a loop step, BN tokens a program; "bf16x3" (bf16 x,
-    whose g_x is written in bf16) as the three largest products of g_raw and phi split into
-    bf16 terms (~2^-15 relative; phi as `phi_pad_t`'s three terms [3, C, PP]), one [BN, PP] x
-    [PP, BC] tensor-core dot each."""
-    d = tl.program_id(1) * BC + tl.arange(0, BC)
-    if PREC == "fma":
-        _grad_x_rows(
-            tl.program_id(0) * BN, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr,
-            gn_ptr, res_ptr, N, D, d, S, P, PP, PREC, MIX, RES, BN, BC, EMU,
-        )  # fmt: skip
+    """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
+    column c is stream j = c // D; + g_r, the streams' gradient from the residual path of mix
+    out, when RES) over BC columns of TOKENS tokens, BN at a time, written once in the dtype of
+    x. The product has only P terms: PREC "fma" runs them as exact fp32 FMAs (phi fp32 [P, C]),
+    one term a loop step; "bf16x3" (bf16 x, whose g_x is written in bf16) as the three largest
+    products of g_raw and phi split into bf16 terms (~2^-15 relative; phi as `phi_pad_t`'s
+    three terms [3, C, PP]), one [BN, PP] x [PP, BC] tensor-core dot each, phi's tiles loaded
+    once per program."""
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    q = tl.arange(0, PP)
+    c_ok = c < C
+    args = (graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q)
+    if PREC == "fma":  # one block of BN tokens a program (a loop around it costs registers)
+        _grad_x_rows(tl.program_id(0) * BN, *args, 0.0, 0.0, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
     else:
+        tile = phi_ptr + q[:, None] + c[None, :] * PP
+        phi_hi = tl.load(tile, mask=c_ok[None, :], other=0.0)
+        phi_mid = tl.load(tile + C * PP, mask=c_ok[None, :], other=0.0)
         start = tl.program_id(0) * TOKENS
         for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
-            _grad_x_rows(
-                n0, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gn_ptr, res_ptr,
-                N, D, d, S, P, PP, PREC, MIX, RES, BN, BC, EMU,
-            )  # fmt: skip
+            _grad_x_rows(n0, *args, phi_hi, phi_mid, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
 
 
 @triton.jit
 def _grad_x_rows(
-    n0, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gn_ptr, res_ptr, N, D, d,
-    S: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
-    RES: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
+    n0, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q,
+    phi_hi, phi_mid, P: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr, RES: tl.constexpr,
+    WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """grad_x's BN tokens from n0 over its columns d of every stream."""
-    C = S * D
+    """grad_x's BN tokens from n0 over its columns c."""
     n = n0 + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
-    d_ok = d < D
-    ok = n_ok[:, None] & d_ok[None, :]
-    row = n64[:, None] * C + d[None, :]
+    c_ok = c < C
+    ok = n_ok[:, None] & c_ok[None, :]
+    offs = n64[:, None] * C + c[None, :]
     coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
-    if PREC != "fma":
-        q = tl.arange(0, PP)
+    g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if RES:
+        g += tl.load(gr_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if PREC == "fma":
+        for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
+            g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
+            g += g_p[:, None] * tl.load(phi_ptr + p * C + c, mask=c_ok, other=0.0)[None, :]
+    else:
         g_raw = tl.load(graw_ptr + n64[:, None] * P + q[None, :],
                         mask=n_ok[:, None] & (q < P)[None, :], other=0.0)  # fmt: skip
         g_hi, g_mid, _ = split3(g_raw)
-    for j in range(S):  # runtime loops: unrolled, all S * S loads would be hoisted
-        g = coef[:, None] * tl.load(x_ptr + row + j * D, mask=ok, other=0.0).to(tl.float32)
-        if RES:
-            for k in range(S):
-                r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
-                gn = tl.load(gn_ptr + row + k * D, mask=ok, other=0.0).to(tl.float32)
-                g += r[:, None] * gn
-        if PREC == "fma":
-            for p in range(P):  # a runtime loop: unrolled, its loads would all be hoisted
-                g_p = tl.load(graw_ptr + n64 * P + p, mask=n_ok, other=0.0)
-                phi = tl.load(phi_ptr + p * C + j * D + d, mask=d_ok, other=0.0)
-                g += g_p[:, None] * phi[None, :]
+        g = dot_bf16(g_hi, phi_hi, g, EMU)
+        g = dot_bf16(g_hi, phi_mid, g, EMU)
+        g = dot_bf16(g_mid, phi_hi, g, EMU)
+    if MIX:
+        if WHOLE:  # BC divides D: the tile's columns all lie in stream c // D
+            h = tl.load(h_ptr + n64 * S + tl.program_id(1) * BC // D, mask=n_ok, other=0.0)[:, None]
         else:
-            tile = phi_ptr + q[:, None] + (j * D + d)[None, :] * PP
-            phi_hi = tl.load(tile, mask=d_ok[None, :], other=0.0)
-            phi_mid = tl.load(tile + C * PP, mask=d_ok[None, :], other=0.0)
-            g = dot_bf16(g_hi, phi_hi, g, EMU)
-            g = dot_bf16(g_hi, phi_mid, g, EMU)
-            g = dot_bf16(g_mid, phi_hi, g, EMU)
-        if MIX:
-            gy = tl.load(gy_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0)
-            g += tl.load(h_ptr + n64 * S + j, mask=n_ok, other=0.0)[:, None] * gy.to(tl.float32)
-        tl.store(gx_ptr + row + j * D, g.to(gx_ptr.dtype.element_ty), mask=ok)
+            h = tl.load(h_ptr + n64[:, None] * S + (c // D)[None, :], mask=ok, other=0.0)
+        gy = tl.load(gy_ptr + n64[:, None] * D + (c % D)[None, :], mask=ok, other=0.0)
+        g += h * gy.to(tl.float32)
+    tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -5,10 +5,7 @@ Legend: B batch, T tokens (any leading shape works), S streams, D model dim.
 
 `mix_in` (y = sum_j h[j] x_j) and `mix_out` (y_k = H_post[k] F + sum_j H_res[j, k] x_j) are
 `torch.library.custom_op`s (`birkhoff::mhc_mix_*`) with `register_autograd` and fake impls; the
-backward is a custom op too (eager code calls them through `ops.FusedOp`'s direct entry).
-`mix_out_handing` is mix out for the fused sublayer (`mhc.hyper_sublayer`): its backward hands
-the new streams' gradient to the coefficient node instead of writing H_res g_y, a [B,T,S,D]
-write and read fewer. The
+backward is a custom op too (eager code calls them through `ops.FusedOp`'s direct entry). The
 kernels tile [BN tokens, BD columns] over a 2-D grid (`CONFIG["mix"]`); their reductions over D
 (g_h, g_post, g_res) come as one partial per D block, summed by torch in a fixed order.
 `mix_in_into` and `mix_in_weight_grad` are the kernel launches the coefficient op reuses when
@@ -158,30 +155,26 @@ _mix_out_op = FusedOp("mhc_mix_out", _mix_out_impl, _mix_out_fake)
 
 
 def _mix_out_bwd_impl(
-    g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor,
-    write_gx: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(g_x, or shape [0] unless write_gx; g_f, g_post, g_res)."""
+    g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     S, D = x_BTSD.shape[-2:]
-    g_x = torch.empty_like(x_BTSD) if write_gx else x_BTSD.new_empty((0,))
-    g_f = torch.empty_like(f_BTD)
+    g_x, g_f = torch.empty_like(x_BTSD), torch.empty_like(f_BTD)
     N = post_BTS.numel() // S
     grid, cfg = _mix_grid(N, S, D)
-    if not x_BTSD.numel():
+    if not g_x.numel():
         return g_x, g_f.zero_(), torch.zeros_like(post_BTS), torch.zeros_like(res_BTSS)
     parts_post = post_BTS.new_empty((grid[1], *post_BTS.shape))
     parts_res = res_BTSS.new_empty((grid[1], *res_BTSS.shape))
     traceable(M.mix_out_bwd)[grid](
-        g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x if write_gx else g_BTSD, g_f, parts_post,
-        parts_res, N, D, S=S, WRITE_GX=write_gx, **cfg,
+        g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, parts_post, parts_res, N, D,
+        S=S, **cfg,
     )  # fmt: skip
     g_post, g_res = _sum_parts(parts_post), _sum_parts(parts_res)
     return g_x, g_f, g_post, g_res
 
 
-def _mix_out_bwd_fake(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, write_gx):  # type: ignore[no-untyped-def]
-    g_x = torch.empty_like(x_BTSD) if write_gx else x_BTSD.new_empty((0,))
-    return g_x, *(torch.empty_like(t) for t in (f_BTD, post_BTS, res_BTSS))
+def _mix_out_bwd_fake(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped-def]
+    return tuple(torch.empty_like(t) for t in (x_BTSD, f_BTD, post_BTS, res_BTSS))
 
 
 _mix_out_bwd_op = FusedOp("mhc_mix_out_bwd", _mix_out_bwd_impl, _mix_out_bwd_fake)
@@ -192,44 +185,16 @@ def _mix_out_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 
 def _mix_out_backward(ctx, g_BTSD):  # type: ignore[no-untyped-def]
-    return _mix_out_bwd_op(g_BTSD.contiguous(), *ctx.saved_tensors, True)
+    return _mix_out_bwd_op(g_BTSD.contiguous(), *ctx.saved_tensors)
 
 
 _mix_out_op.register_autograd(_mix_out_backward, setup_context=_mix_out_setup)
 
-# The same forward whose backward hands the new streams' gradient g_y back as the gradient of
-# x, for the coefficient node that made x (`mhc.hyper_sublayer`) to apply h_res to in its one
-# write of g_x: only correct where that node reads it so, never as a public op.
-_mix_out_handing_op = FusedOp("mhc_mix_out_handing", _mix_out_impl, _mix_out_fake)
-
-
-def _mix_out_handing_backward(ctx, g_BTSD):  # type: ignore[no-untyped-def]
-    g_BTSD, saved = g_BTSD.contiguous(), ctx.saved_tensors  # unpacked once (recompute slots)
-    _, g_f, g_post, g_res = _mix_out_bwd_op(g_BTSD, *saved, False)
-    return g_BTSD.to(saved[0].dtype), g_f, g_post, g_res
-
-
-_mix_out_handing_op.register_autograd(_mix_out_handing_backward, setup_context=_mix_out_setup)
-
-
-def _mix_out_inputs(
-    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_inputs(x_BTSD, f_BTD)
-    return (
-        x_BTSD.contiguous(), f_BTD.contiguous(),
-        h_post_BTS.float().contiguous(), h_res_BTSS.float().contiguous(),
-    )  # fmt: skip
-
 
 def mix_out(x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor) -> Tensor:
     """Fused y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], accumulated in fp32."""
-    return _mix_out_op(*_mix_out_inputs(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS))
-
-
-def mix_out_handing(
-    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor
-) -> Tensor:
-    """`mix_out`, whose backward gives x the new streams' gradient itself (cast to x's dtype),
-    not H_res g_y: for `mhc.hyper_sublayer` alone, whose coefficient node applies H_res."""
-    return _mix_out_handing_op(*_mix_out_inputs(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS))
+    check_inputs(x_BTSD, f_BTD)
+    return _mix_out_op(
+        x_BTSD.contiguous(), f_BTD.contiguous(),
+        h_post_BTS.float().contiguous(), h_res_BTSS.float().contiguous(),
+    )  # fmt: skip

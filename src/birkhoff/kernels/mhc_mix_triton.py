@@ -11,9 +11,8 @@ The stream loops are `tl.static_range(S)` (unrolled). Sums over streams accumula
 - `mix_out_fwd`: y_k = sum_j h_res[j, k] x_j + h_post[k] f.
 - `mix_out_proj` (the engine's): mix_out_fwd plus the next sublayer's coefficient projection of
   the new streams, as partials per D block (no second pass over the streams).
-- `mix_out_bwd`: g_f = sum_k h_post[k] g_y_k, g_x_j = sum_k h_res[j, k] g_y_k (unless the
-  coefficient op's grad_x takes g_y and applies h_res itself), and partials per D block of
-  g_h_post[k] = <g_y_k, f> and g_h_res[j, k] = <x_j, g_y_k>.
+- `mix_out_bwd`: g_f = sum_k h_post[k] g_y_k, g_x_j = sum_k h_res[j, k] g_y_k, and partials per
+  D block of g_h_post[k] = <g_y_k, f> and g_h_res[j, k] = <x_j, g_y_k>.
 The reductions over D end inside a program (a [BN] sum of a [BN, BD] tile, within a warp for
 the default tiles) and the ND partials are summed by the caller in a fixed order: deterministic,
 no atomics. In mix out the inner stream loops reload a tile they have already read (x_j per k,
@@ -124,10 +123,9 @@ def mix_out_proj(
 @triton.jit
 def mix_out_bwd(
     gy_ptr, x_ptr, f_ptr, post_ptr, res_ptr, gx_ptr, gf_ptr, gpost_ptr, gres_ptr, N, D,
-    S: tl.constexpr, WRITE_GX: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    """gpost_ptr: [ND, N, S] and gres_ptr: [ND, N, S, S] partials; g_x only if WRITE_GX (else
-    the coefficient op's grad_x applies h_res to g_y itself)."""
+    """gpost_ptr: [ND, N, S] and gres_ptr: [ND, N, S, S] partials."""
     n64, n_ok, d, ok = _tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     tok = tl.program_id(1).to(tl.int64) * N + n64  # row of this D block's partials
@@ -143,9 +141,6 @@ def mix_out_bwd(
         gx = tl.zeros([BN, BD], dtype=tl.float32)
         for k in tl.static_range(S):
             gy = tl.load(gy_ptr + row + k * D, mask=ok, other=0.0).to(tl.float32)
-            if WRITE_GX:
-                r = tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)
-                gx += r[:, None] * gy
+            gx += tl.load(res_ptr + n64 * (S * S) + j * S + k, mask=n_ok, other=0.0)[:, None] * gy
             tl.store(gres_ptr + tok * (S * S) + j * S + k, tl.sum(xv * gy, axis=1), mask=n_ok)
-        if WRITE_GX:
-            tl.store(gx_ptr + row + j * D, gx.to(gx_ptr.dtype.element_ty), mask=ok)
+        tl.store(gx_ptr + row + j * D, gx.to(gx_ptr.dtype.element_ty), mask=ok)

@@ -155,16 +155,17 @@ def hyper_connection(
 ) -> Tensor:  # fmt: skip
     """One mHC-wrapped sublayer: y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j.
 
-    `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of its new
-    streams to the coefficient op's backward, which applies H_res and writes x's gradient once
-    for all of it.
+    `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
+    streams to the coefficient op's backward, which writes x's gradient once for all of it.
     """
     if use_fused(x_BTSD, kernels):
         from birkhoff.kernels import mhc
 
-        return mhc.hyper_sublayer(
-            x_BTSD, phi_PC, alpha_3, bias_P, sublayer, iters=iters, norm_eps=norm_eps, eps=eps
+        # x_BTSD becomes the op's view of the (once made contiguous) streams
+        y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
+            x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
+        return mhc.mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res)
     y_BTD, _, h_post, h_res = coefficients_and_mix_in(
         x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps, kernels=kernels
     )
