@@ -51,6 +51,16 @@ def test_engine_exit_projects_for_the_next_entry(case: Case, dtype: torch.dtype)
     check_exit(case, "cpu", dtype)
 
 
+def test_engine_entry_takes_both_projection_partials_or_neither() -> None:
+    from birkhoff.kernels import mhc_entry
+
+    inp = make_inputs(Case(S=4), "cpu", torch.float32)
+    inputs = mhc_entry._op_inputs(inp["x"], inp["phi"], inp["alpha"], inp["bias"])
+    part = torch.zeros(1, *inp["x"].shape[:2], 32)
+    with pytest.raises(ValueError, match="both projection partials"):
+        mhc_entry.pre_mix_norm(*inputs, torch.ones(5), 1e-6, 1e-6, 1e-6, part, None)
+
+
 def test_engine_entry_rejects_a_norm_weight_of_another_dim() -> None:
     from birkhoff.kernels import mhc_entry
 

@@ -25,8 +25,10 @@ from birkhoff.kernels.ops import INTERPRET
 SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
 MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
 # BN keys per block inside a program, and the launch; read at every call, so
-# benchmarks/decode_attention.py can sweep it (H200: 2 warps beat 4 at every decode shape timed)
-CONFIG = dict(BN=64, num_warps=2, num_stages=3)
+# benchmarks/decode_attention.py can sweep it (H200, `decode_attention-cuda.json`: 2 warps beat
+# 4 at every decode shape timed; 32 keys a block beat 64 by 9-12% at 88 positions, 1% at 400,
+# and lose 3% at 2000)
+CONFIG = dict(BN=32, num_warps=2, num_stages=3)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())

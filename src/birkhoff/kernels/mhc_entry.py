@@ -70,6 +70,8 @@ def pre_mix_norm(
     (SP, PP), BD = _pads(S, P), max(16, pow2(D))
     _, _, _, y_ATD, raw_ATP, rstd = _coefficients_fake(x_ATSD, phi_PC, False, True)
     N = rstd.numel()
+    if (part is None) != (sq is None):
+        raise ValueError("mhc_entry: pass both projection partials part and sq, or neither")
     if part is not None and sq is not None:
         if part.shape[1:] != (N, PP) or tuple(sq.shape) != part.shape[:2]:
             raise ValueError(f"mhc_entry: projection partials {tuple(part.shape)} / "
@@ -98,7 +100,6 @@ def _exit_launch(D: int) -> dict[str, int]:
     cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
     cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
     return cfg
-
 
 @torch.library.custom_op("birkhoff::mhc_exit", mutates_args=())
 def mix_out_proj(
