@@ -165,7 +165,15 @@ def test_bf16_streams_match_eager() -> None:
     check_contraction(Case(S=4, D=40, B=2, T=9), "cpu", torch.bfloat16)
 
 
-def test_bf16_streams_keep_fp32_precision() -> None:
+@pytest.mark.parametrize("phi_in_grad_x", [False, True], ids=["grad_phi", "grad_x-phi"])
+def test_bf16_streams_keep_fp32_precision(
+    phi_in_grad_x: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # grad_x-phi: g_phi from grad_x's pass (two blocks of 16 tokens a program, 18 tokens in two
+    # programs: partials over several token blocks, one of them part-masked)
+    if phi_in_grad_x:
+        cfg = dict(CONFIG["grad_x"], BN=16, BC=32, TOKENS=32, PHI=True)
+        monkeypatch.setitem(CONFIG, "grad_x", cfg)
     c = Case(S=4, D=40, B=2, T=9, iters=3)
     check_bf16_streams_keep_fp32_precision(c, "cpu", truncates=True)  # the interpreter's casts
 

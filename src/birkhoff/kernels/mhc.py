@@ -221,19 +221,24 @@ def _coefficients_bwd_impl(
     if cfg["PREC"] == "fma":  # one block of BN tokens a program (the kernel's fma branch)
         tokens = int(cfg["BN"])
     grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
-    phi = projection_phi(phi_PC, 3) if cfg["PREC"] == "bf16x3" else phi_PC.float().contiguous()
+    bf16x3 = cfg["PREC"] == "bf16x3"
+    phi = projection_phi(phi_PC, 3) if bf16x3 else phi_PC.float().contiguous()
+    # g_phi in grad_x's pass over x (its bf16 path), else in grad_phi's own
+    with_phi = bool(cfg.pop("PHI", False)) and bf16x3 and x_BTSD.dtype == torch.bfloat16
+    partials = g_raw.new_empty((grid[0], PP, C) if with_phi else (1,))
     traceable(G.grad_x)[grid](
         g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
-        N, C, D, S, tokens, P=P, PP=PP, MIX=mix, RES=res, WHOLE=D % int(cfg["BC"]) == 0,
-        EMU=INTERPRET, **cfg,
+        partials, N, C, D, S, tokens, P=P, PP=PP, MIX=mix, RES=res,
+        WHOLE=D % int(cfg["BC"]) == 0, PHI=with_phi, EMU=INTERPRET, **cfg,
     )  # fmt: skip
-    cfg = _launch("grad_phi", x_BTSD, S)
-    tokens = int(cfg.pop("TOKENS"))
-    partials = g_raw.new_empty((cdiv(N, tokens), PP, C))  # g_phi per block of tokens
-    traceable(G.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
-        g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP,
-        SPLIT=x_BTSD.dtype == torch.bfloat16, EMU=INTERPRET, **cfg,
-    )  # fmt: skip
+    if not with_phi:
+        cfg = _launch("grad_phi", x_BTSD, S)
+        tokens = int(cfg.pop("TOKENS"))
+        partials = g_raw.new_empty((cdiv(N, tokens), PP, C))  # g_phi per block of tokens
+        traceable(G.grad_phi)[(partials.shape[0], cdiv(C, int(cfg["BC"])))](
+            g_raw, x_BTSD, partials, N, C, tokens, P=P, PP=PP,
+            SPLIT=x_BTSD.dtype == torch.bfloat16, EMU=INTERPRET, **cfg,
+        )  # fmt: skip
     g_phi = partials.sum(0)[:P].to(phi_PC.dtype)
     return g_x, g_phi, g_a
 

@@ -101,6 +101,7 @@ def _exit_launch(D: int) -> dict[str, int]:
     cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
     return cfg
 
+
 @torch.library.custom_op("birkhoff::mhc_exit", mutates_args=())
 def mix_out_proj(
     x_ATSD: Tensor, f_ATD: Tensor, post_ATS: Tensor, res_ATSS: Tensor, phi_PC: Tensor

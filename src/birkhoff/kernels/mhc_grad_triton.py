@@ -23,10 +23,10 @@ from birkhoff.kernels.mhc_triton import dot_bf16, split3
 
 @triton.jit
 def grad_x(
-    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, TOKENS,
-    P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
-    RES: tl.constexpr, WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-    EMU: tl.constexpr,
+    graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, gphi_ptr, N, C, D, S,
+    TOKENS, P: tl.constexpr, PP: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
+    RES: tl.constexpr, WHOLE: tl.constexpr, PHI: tl.constexpr, BN: tl.constexpr,
+    BC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """g_x = g_raw @ phi + coef * x (+ h[j] g_y for the mix in y = sum_j h[j] x_j when MIX;
     column c is stream j = c // D; + g_r, the streams' gradient from the residual path of mix
@@ -35,29 +35,41 @@ def grad_x(
     one term a loop step; "bf16x3" (bf16 x, whose g_x is written in bf16) as the three largest
     products of g_raw and phi split into bf16 terms (~2^-15 relative; phi as `phi_pad_t`'s
     three terms [3, C, PP]), one [BN, PP] x [PP, BC] tensor-core dot each, phi's tiles loaded
-    once per program."""
+    once per program. PHI (bf16x3 only): also grad_phi's partial g_phi = g_raw^T x over the
+    program's tokens and columns, from the x tiles it reads anyway (`grad_phi`'s arithmetic:
+    three exact bf16 dots of x as stored and g_raw's terms), into gphi [N / TOKENS, PP, C]."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     q = tl.arange(0, PP)
     c_ok = c < C
     args = (graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q)
     if PREC == "fma":  # one block of BN tokens a program (a loop around it costs registers)
-        _grad_x_rows(tl.program_id(0) * BN, *args, 0.0, 0.0, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
+        _grad_x_rows(
+            tl.program_id(0) * BN, *args, 0.0, 0.0, 0.0, P, PREC, MIX, RES, WHOLE, False, BN, BC,
+            EMU,
+        )  # fmt: skip
     else:
         tile = phi_ptr + q[:, None] + c[None, :] * PP
         phi_hi = tl.load(tile, mask=c_ok[None, :], other=0.0)
         phi_mid = tl.load(tile + C * PP, mask=c_ok[None, :], other=0.0)
+        acc = tl.zeros([BC, PP], dtype=tl.float32)
         start = tl.program_id(0) * TOKENS
         for n0 in range(start, tl.minimum(start + TOKENS, N), BN):
-            _grad_x_rows(n0, *args, phi_hi, phi_mid, P, PREC, MIX, RES, WHOLE, BN, BC, EMU)
+            acc = _grad_x_rows(
+                n0, *args, phi_hi, phi_mid, acc, P, PREC, MIX, RES, WHOLE, PHI, BN, BC, EMU
+            )  # fmt: skip
+        if PHI:
+            part = gphi_ptr + tl.program_id(0).to(tl.int64) * PP * C
+            tl.store(part + q[None, :] * C + c[:, None], acc, mask=c_ok[:, None])
 
 
 @triton.jit
 def _grad_x_rows(
     n0, graw_ptr, phi_ptr, x_ptr, coef_ptr, gx_ptr, gy_ptr, h_ptr, gr_ptr, N, C, D, S, c, q,
-    phi_hi, phi_mid, P: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr, RES: tl.constexpr,
-    WHOLE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
+    phi_hi, phi_mid, acc, P: tl.constexpr, PREC: tl.constexpr, MIX: tl.constexpr,
+    RES: tl.constexpr, WHOLE: tl.constexpr, PHI: tl.constexpr, BN: tl.constexpr,
+    BC: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """grad_x's BN tokens from n0 over its columns c."""
+    """grad_x's BN tokens from n0 over its columns c; returns acc + their g_raw^T x if PHI."""
     n = n0 + tl.arange(0, BN)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -65,7 +77,8 @@ def _grad_x_rows(
     ok = n_ok[:, None] & c_ok[None, :]
     offs = n64[:, None] * C + c[None, :]
     coef = tl.load(coef_ptr + n, mask=n_ok, other=0.0)
-    g = coef[:, None] * tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    g = coef[:, None] * xv.to(tl.float32)
     if RES:
         g += tl.load(gr_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if PREC == "fma":
@@ -75,10 +88,15 @@ def _grad_x_rows(
     else:
         g_raw = tl.load(graw_ptr + n64[:, None] * P + q[None, :],
                         mask=n_ok[:, None] & (q < P)[None, :], other=0.0)  # fmt: skip
-        g_hi, g_mid, _ = split3(g_raw)
+        g_hi, g_mid, g_lo = split3(g_raw)
         g = dot_bf16(g_hi, phi_hi, g, EMU)
         g = dot_bf16(g_hi, phi_mid, g, EMU)
         g = dot_bf16(g_mid, phi_hi, g, EMU)
+        if PHI:
+            x_t = tl.trans(xv)
+            acc = dot_bf16(x_t, g_hi, acc, EMU)
+            acc = dot_bf16(x_t, g_mid, acc, EMU)
+            acc = dot_bf16(x_t, g_lo, acc, EMU)
     if MIX:
         if WHOLE:  # BC divides D: the tile's columns all lie in stream c // D
             h = tl.load(h_ptr + n64 * S + tl.program_id(1) * BC // D, mask=n_ok, other=0.0)[:, None]
@@ -87,6 +105,7 @@ def _grad_x_rows(
         gy = tl.load(gy_ptr + n64[:, None] * D + (c % D)[None, :], mask=ok, other=0.0)
         g += h * gy.to(tl.float32)
     tl.store(gx_ptr + offs, g.to(gx_ptr.dtype.element_ty), mask=ok)
+    return acc
 
 
 @triton.jit
