@@ -235,18 +235,12 @@ def check_bf16_streams_keep_fp32_precision(c: Case, device: str, truncates: bool
     assert differs < 0.02, f"{differs:.1%} of g_x differ from the rounded fp32 gradient"
 
 
-def _ulps(a: Tensor, b: Tensor) -> float:
-    """max |a - b| in units of the last place of b's dtype at b's magnitude."""
-    ulp = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
-    return ((a.float() - b.float()).abs() / ulp).max().item() if b.numel() else 0.0
-
-
 def check_hyper_entry(
     c: Case, device: str, dtype: torch.dtype = torch.float32, *, graphed: bool = False
 ) -> None:
     """The engine's entry (`mhc_entry.hyper_entry`: H_post and H_res on a side stream on CUDA,
     the tail, mix in and RMSNorm in one launch) against the training ops' launches: H_post,
-    H_res and mix out bit for bit (CUDA: 1e-6, an ulp at scale), the normed input within an ulp;
+    H_res and mix out bit for bit (CUDA: 1e-6, and two ulps at scale), the normed input too;
     graphed: captured in a CUDA graph (fork and join as graph edges) and replayed on new
     streams. Also `contract_norm`."""
     from birkhoff.kernels import mhc, mhc_entry, norm_rope
@@ -294,21 +288,22 @@ def check_hyper_entry(
         h = mhc.contract(x_in, phi_S, alpha_1, bias_S, norm_eps=1e-6, eps=1e-6)
     # the interpreter reduces like numpy in every kernel: bit for bit. Compiled kernels may
     # order the Sinkhorn's few sums differently from the training ops' (observed on the H200:
-    # 1.2e-7 in H_res after 40 normalisations), and mix out's outputs, sums that can cancel to
-    # small values, then round to a neighbouring value of their dtype: within an ulp at the
-    # tensor's scale (observed: 5 ulps of one small element's own magnitude)
+    # 1.2e-7 in H_res after 40 normalisations), and the mixes (mix out's outputs, the normed
+    # mix in), sums that can cancel to small values, then round to a neighbouring value of
+    # their dtype: within two ulps at the tensor's scale (observed: 5 ulps of one small mix out
+    # element's own magnitude, 14 of one normed input's, on the H200 at D 768)
+    two_ulps = 2.0 * torch.finfo(dtype).eps
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape)
         if i and device == "cpu":
             assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
         if i in (1, 2):
             assert_close([a], [b], 1e-6, f"coefficient {i}")
-        elif i == 3:
-            assert_close([a], [b], 2.0 * torch.finfo(b.dtype).eps, "mix out")
         else:
-            assert _ulps(a, b) <= 1.0, _ulps(a, b)
+            assert_close([a], [b], two_ulps, "normed input" if i == 0 else "mix out")
     want = norm_rope.rms_norm(h, weight, 1e-5)
-    assert contracted.shape == want.shape and _ulps(contracted, want) <= 1.0
+    assert contracted.shape == want.shape
+    assert_close([contracted], [want], two_ulps, "contracted and normed")
 
 
 def _no_rms(opts: dict[str, float]) -> dict[str, float]:

@@ -223,8 +223,10 @@ def _coefficients_bwd_impl(
     grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
     bf16x3 = cfg["PREC"] == "bf16x3"
     phi = projection_phi(phi_PC, 3) if bf16x3 else phi_PC.float().contiguous()
-    # g_phi in grad_x's pass over x (its bf16 path), else in grad_phi's own
+    # g_phi in grad_x's pass over x (its bf16 path, up to 32 padded logits: S <= 4; at S = 8
+    # the [BC, 128] accumulator and g_raw's third term spill), else in grad_phi's own pass
     with_phi = bool(cfg.pop("PHI", False)) and bf16x3 and x_BTSD.dtype == torch.bfloat16
+    with_phi = with_phi and PP <= 32
     partials = g_raw.new_empty((grid[0], PP, C) if with_phi else (1,))
     traceable(G.grad_x)[grid](
         g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
