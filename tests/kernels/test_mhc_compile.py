@@ -118,8 +118,8 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
                 G.grad_x, types | terms,
-                dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0, EMU=False,
-                     PHI=False) | const | dict(PHI=bool(const.get("PHI")) and PP <= 32), launch,
+                const | dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0,
+                             EMU=False, PHI=mhc.phi_in_grad_x(const, x, PP)), launch,
             )  # fmt: skip
         const, launch = split(mhc._launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const

@@ -89,6 +89,14 @@ def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
     return cfg
 
 
+def phi_in_grad_x(cfg: Launch, x_BTSD: Tensor, PP: int) -> bool:
+    """Whether grad_x (launched with `cfg`) computes g_phi in its pass over x, so grad_phi does
+    not run: CONFIG's PHI, on its bf16x3 path (bf16 streams), up to 32 padded logits (S <= 4:
+    at S = 8 its [BC, 128] accumulator and g_raw's third term spill)."""
+    bf16 = cfg["PREC"] == "bf16x3" and x_BTSD.dtype == torch.bfloat16
+    return bool(cfg.get("PHI", False)) and bf16 and PP <= 32
+
+
 def _token_block(cfg: Launch, N: int) -> int:
     """CONFIG's BN tokens per program, cut to the few tokens of a decode call (>= 16 rows, what
     tl.dot needs)."""
@@ -225,10 +233,8 @@ def _coefficients_bwd_impl(
     grid = (cdiv(N, tokens), cdiv(C, int(cfg["BC"])))
     bf16x3 = cfg["PREC"] == "bf16x3"
     phi = projection_phi(phi_PC, 3) if bf16x3 else phi_PC.float().contiguous()
-    # g_phi in grad_x's pass over x (its bf16 path, up to 32 padded logits: S <= 4; at S = 8
-    # the [BC, 128] accumulator and g_raw's third term spill), else in grad_phi's own pass
-    with_phi = bool(cfg.pop("PHI", False)) and bf16x3 and x_BTSD.dtype == torch.bfloat16
-    with_phi = with_phi and PP <= 32
+    with_phi = phi_in_grad_x(cfg, x_BTSD, PP)
+    cfg.pop("PHI", None)
     partials = g_raw.new_empty((grid[0], PP, C) if with_phi else (1,))
     traceable(G.grad_x)[grid](
         g_raw, phi, x_BTSD, coef_BT, g_x, g_y if mix else g_raw, pre, g_r if res else g_raw,
