@@ -269,7 +269,7 @@ def check_hyper_entry(
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, stream=capture):
                     outs = entry()
-            # the replay must read the new streams (seeded: the one-ulp bound is checked on
+            # the replay must read the new streams (seeded: the bounds below are checked on
             # the same values every run)
             fresh = torch.randn(x_in.shape, generator=torch.Generator().manual_seed(c.D))
             x_in.copy_(fresh)

@@ -17,11 +17,12 @@ Design choices:
   tensor cores at ~fp32 accuracy (`mhc_triton`: bf16x3, tf32x3 or ieee by dtype), split over
   column blocks (`coeff_proj`, partial sums) so that decode's few tokens fill the GPU too;
   `coeff_tail` sums the splits in a fixed order and runs the per-token rest. Only x in its own
-  dtype is saved, never an fp32 copy. The backward reads x once more on bf16 streams at
-  S <= 4: `grad_x` writes g_x = g_raw phi + the RMS term and, from the same x tiles, g_phi =
-  g_raw^T x as partials over `CONFIG["grad_x"]["TOKENS"]` tokens (`PHI`); otherwise twice,
-  `grad_phi` reducing g_phi over `CONFIG["grad_phi"]["TOKENS"]` tokens. torch sums the
-  partials in a fixed order (no atomics).
+  dtype is saved, never an fp32 copy. The backward reads x once more on bf16 streams with up
+  to 32 padded logits (a sublayer at S <= 4, the output contraction): `grad_x` writes g_x =
+  g_raw phi + the RMS term and, from the same x tiles, g_phi = g_raw^T x as partials over
+  `CONFIG["grad_x"]["TOKENS"]` tokens (`PHI`, `phi_in_grad_x`); otherwise twice, `grad_phi`
+  reducing g_phi over `CONFIG["grad_phi"]["TOKENS"]` tokens. torch sums the partials in a
+  fixed order (no atomics).
 - One op can also mix in (y = sum_j H_pre[j] x_j, `coefficients_and_mix_in`, `contract`): its
   backward folds g_y into g_H_pre and adds H_pre g_y to grad_x's g_x, so x's gradient from the
   coefficients and the mix in is written once.
@@ -91,8 +92,9 @@ def _launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
 
 def phi_in_grad_x(cfg: Launch, x_BTSD: Tensor, PP: int) -> bool:
     """Whether grad_x (launched with `cfg`) computes g_phi in its pass over x, so grad_phi does
-    not run: CONFIG's PHI, on its bf16x3 path (bf16 streams), up to 32 padded logits (S <= 4:
-    at S = 8 its [BC, 128] accumulator and g_raw's third term spill)."""
+    not run: CONFIG's PHI, on its bf16x3 path (bf16 streams), up to 32 padded logits (a
+    sublayer at S <= 4, the output contraction; a sublayer at S = 8 has 128, where its
+    [BC, 128] accumulator and g_raw's third term spill)."""
     bf16 = cfg["PREC"] == "bf16x3" and x_BTSD.dtype == torch.bfloat16
     return bool(cfg.get("PHI", False)) and bf16 and PP <= 32
 

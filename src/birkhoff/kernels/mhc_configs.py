@@ -10,10 +10,10 @@ products, ~fp32; grad_x: the three largest products of bf16 terms of g_raw and p
 relative, for g_x written in bf16), "tf32x3" (three TF32 products, ~fp32 accurate; bf16 is
 exact in TF32), "tf32" (one product, ~1e-3 relative) or "fma" (grad_x: exact fp32 FMAs);
 grad_phi on bf16 streams splits g_raw into three bf16 terms instead and does not read PREC, and
-TRANS computes its product as g_phi^T = x^T g_raw; grad_x's PHI (bf16 streams, S <= 4) has it
-compute g_phi's partials over its TOKENS tokens from the x tiles it reads, and grad_phi does
-not run. fp32 streams use the "_fp32" entries with
-exact fp32 "ieee" dots and FMAs. Every entry here and in `SWEEP` compiles for sm_90 without
+TRANS computes its product as g_phi^T = x^T g_raw; grad_x's PHI (bf16 streams, at most 32
+padded logits) has it compute g_phi's partials over its TOKENS tokens from the x tiles it
+reads, and grad_phi does not run. fp32 streams use the "_fp32" entries with exact fp32 "ieee"
+dots and FMAs. Every entry here and in `SWEEP` compiles for sm_90 without
 register spills with Triton 3.9 and 3.6 (tests/kernels/test_mhc_compile.py, at the training
 shape's specialisation; the device's 3.6 gave the registers ncu reports) and matches the eager
 path under the Triton interpreter.

@@ -23,7 +23,7 @@ Values: the same arithmetic as the training ops' launches (coeff_tail, mix_in_fw
 rms_norm_fwd, mix_out_fwd), bit for bit under the interpreter, except that the exit's
 projection sums in another order than coeff_proj (raw logits within 2e-6 of their scale);
 compiled, a kernel's reductions may run in another order (H_res within ~1e-7, the normed input
-within an ulp; tests/kernels).
+within two ulps at its scale; tests/kernels).
 `REST_PROGRAMS` keeps coeff_rest's grid narrow: beside a GEMM, a wide grid took SMs that the
 GEMM's tiles then waited for (docs/results.md).
 """
