@@ -18,6 +18,7 @@ CASES = [
     (torch.bfloat16, 3, 12, 4, 64, 5, 600, 530),
     (torch.bfloat16, 2, 2, 1, 128, 3, 300, 290),
     (torch.float32, 16, 4, 2, 32, 4, 80, 40),  # a short prompt's prefill chunk (M = 32)
+    (torch.float32, 1, 6, 6, 48, 4, 700, 600),  # heads kernel: a partial head block, 3 splits
 ]
 
 

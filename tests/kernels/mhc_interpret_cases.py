@@ -51,6 +51,21 @@ def test_engine_exit_projects_for_the_next_entry(case: Case, dtype: torch.dtype)
     check_exit(case, "cpu", dtype)
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 4, 9)], ids=case_id)
+def test_engine_exit_and_entry_at_their_large_batch_tiles(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With grid targets of 0 and 1 programs the exit takes 32 tokens a program and the entry
+    several, as at large batches."""
+    from birkhoff.kernels import mhc_entry
+    from birkhoff.kernels.mhc_configs import CONFIG
+
+    monkeypatch.setitem(CONFIG, "mix_out_proj", dict(CONFIG["mix_out_proj"], PROGRAMS=0))
+    monkeypatch.setitem(CONFIG, "pre_mix_norm", dict(CONFIG["pre_mix_norm"], PROGRAMS=1))
+    assert mhc_entry._exit_launch(case.B * case.T, case.D)["BN"] == 32
+    check_exit(case, "cpu", torch.bfloat16)
+
+
 def test_engine_entry_takes_both_projection_partials_or_neither() -> None:
     from birkhoff.kernels import mhc_entry
 

@@ -106,7 +106,10 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         bn = mhc_entry.ENTRY_ELEMENTS // 1024  # the engine's entry at D 768 (BD 1024)
         entry = dict(S=S, SP=SP, P=P, PP=PP, BN=bn, BD=1024, KB=mhc.TAIL_ELEMENTS // (bn * PP))
         usage[f"pre_mix_norm/{P}"] = compile_for_h200(
-            K.pre_mix_norm, types | dict(w_ptr=xt, rms_eps=floats), entry, {"num_warps": 4}
+            K.pre_mix_norm,
+            types | dict(w_ptr=xt, rms_eps=floats),
+            entry,
+            {"num_warps": int(mhc_configs.CONFIG["pre_mix_norm"]["num_warps"])},
         )
         if P > S:  # coeff_rest at batch 256: 32 tokens a program, 4 warps
             rest = dict(S=S, SP=SP, P=P, BN=32)
@@ -137,10 +140,11 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     for write in (True, False):
         consts = dict(S=S, WRITE_GX=write) | const
         usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
-    const, launch = split(mhc_configs.CONFIG["mix_out_proj"])
-    for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
-        consts = dict(S=S, PP=mhc._pads(S, P)[1]) | const
-        usage[f"mix_out_proj/{P}"] = compile_for_h200(M.mix_out_proj, types, consts, launch)
+    for N in (1, 256):  # the exit's tile at batch 1 and at batch 256 (more tokens a program)
+        const, launch = split(mhc_entry._exit_launch(N, 768))
+        for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
+            consts = dict(S=S, PP=mhc._pads(S, P)[1]) | const
+            usage[f"mix_out_proj/{N}/{P}"] = compile_for_h200(M.mix_out_proj, types, consts, launch)
     return usage
 
 

@@ -25,7 +25,9 @@ of graph replays: coefficient forward 0.157 -> 0.067 ms, its backward's grad_x a
 -87 and -67 us), and grad_x's 4 warps and 256 tokens a program (8 warps and 1024 before: coefficient
 fwd+bwd 0.340 -> 0.300 ms at 4 warps, `mhc_sweep-cuda-bf16-grad_x-warps.json`; ncu 205 -> 137
 us), and grad_x's PHI at 1024 tokens a program (`mhc_sweep-cuda-bf16-grad_x-phi.json`:
-coefficient fwd+bwd 0.288 -> 0.273 ms); the other entries come from ptxas register counts.
+coefficient fwd+bwd 0.288 -> 0.273 ms); the engine's exit and entry launches come from
+`python benchmarks/mhc_exit.py` (`mhc-exit-cuda-tiles.json`: at 256 tokens, exit 6.68 -> 5.79
+us with 32 tokens a program, entry 3.65 -> 3.19 us with 256 programs); the other entries come from ptxas register counts.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ CONFIG: dict[str, Launch] = {
         BN=32, BC=64, TOKENS=512, num_warps=4, num_stages=2, PREC="ieee", TRANS=False
     ),
     "mix": dict(BN=8, BD=128, num_warps=4),
-    "mix_out_proj": dict(BN=16, BD=16, num_warps=4),  # the engine's; BN >= 16 (tl.dot)
+    # the engine's exit: BN doubles (to 32 at most) while the grid has over PROGRAMS programs;
+    # BN >= 16 (tl.dot). The entry after it: ~PROGRAMS programs.
+    "mix_out_proj": dict(BN=16, BD=16, num_warps=4, PROGRAMS=384),
+    "pre_mix_norm": dict(PROGRAMS=256, num_warps=4),
 }
 
 # grad_x before g_phi moved into its pass (grad_phi's own pass over x), and the tiles swept then

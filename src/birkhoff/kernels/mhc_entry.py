@@ -36,7 +36,6 @@ from torch import Tensor
 from birkhoff.kernels import mhc_mix_triton as M
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc import (
-    TAIL_PROGRAMS,
     _coefficients_fake,
     _launch,
     _op_inputs,
@@ -80,12 +79,13 @@ def pre_mix_norm(
     elif N:
         part, sq, splits = _projection(x_ATSD, phi_PC, N, PP)
     if N:
-        bn = max(1, min(pow2(cdiv(N, TAIL_PROGRAMS)), ENTRY_ELEMENTS // BD))
+        launch = CONFIG["pre_mix_norm"]
+        bn = max(1, min(pow2(cdiv(N, int(launch["PROGRAMS"]))), ENTRY_ELEMENTS // BD))
         kb = _splits_per_load(splits, bn, PP)
         K.pre_mix_norm[(cdiv(N, bn),)](
             part, sq, x_ATSD, weight_D.contiguous(), alpha, bias_P, raw_ATP, rstd, y_ATD,
             N, D, splits, norm_eps, eps, rms_eps, S=S, SP=SP, P=P, PP=PP, KB=kb, BN=bn, BD=BD,
-            num_warps=4,
+            num_warps=int(launch["num_warps"]),
         )  # fmt: skip
     return y_ATD, raw_ATP, rstd
 
@@ -95,10 +95,14 @@ def _(x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps, part=None
     return _coefficients_fake(x_ATSD, phi_PC, False, True)[3:]
 
 
-def _exit_launch(D: int) -> dict[str, int]:
-    """mix_out_proj's launch parameters (CONFIG's, BD cut to D); its D blocks are the splits."""
+def _exit_launch(N: int, D: int) -> dict[str, int]:
+    """mix_out_proj's launch parameters for N tokens: CONFIG's, BD cut to D (its D blocks are the
+    splits), BN doubled to 32 at most while the grid has more than CONFIG's PROGRAMS."""
     cfg = {k: int(v) for k, v in CONFIG["mix_out_proj"].items()}
     cfg["BD"] = min(cfg["BD"], max(16, pow2(D)))
+    programs = cfg.pop("PROGRAMS")
+    while cfg["BN"] < 32 and cdiv(N, cfg["BN"]) * cdiv(D, cfg["BD"]) > programs:
+        cfg["BN"] *= 2
     return cfg
 
 
@@ -118,7 +122,7 @@ def mix_out_proj(
     y_ATSD, part, sq = _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC)
     N, PP = sq.shape[1], part.shape[-1]
     if N:
-        cfg = _exit_launch(D)
+        cfg = _exit_launch(N, D)
         M.mix_out_proj[(cdiv(N, cfg["BN"]), sq.shape[0])](
             x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
             S=S, PP=PP, **cfg,
@@ -129,7 +133,8 @@ def mix_out_proj(
 @mix_out_proj.register_fake
 def _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC):  # type: ignore[no-untyped-def]
     (S, D), PP = x_ATSD.shape[-2:], padded_logits(phi_PC.shape[0])
-    N, ND = post_ATS.numel() // S, cdiv(D, _exit_launch(D)["BD"])
+    N = post_ATS.numel() // S
+    ND = cdiv(D, _exit_launch(N, D)["BD"])
     y_ATSD = torch.empty_like(x_ATSD, dtype=torch.promote_types(x_ATSD.dtype, f_ATD.dtype))
     part = x_ATSD.new_empty((ND, N, PP), dtype=torch.float32)
     return y_ATSD, part, x_ATSD.new_empty((ND, N), dtype=torch.float32)
