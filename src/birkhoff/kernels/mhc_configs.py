@@ -27,7 +27,8 @@ fwd+bwd 0.340 -> 0.300 ms at 4 warps, `mhc_sweep-cuda-bf16-grad_x-warps.json`; n
 us), and grad_x's PHI at 1024 tokens a program (`mhc_sweep-cuda-bf16-grad_x-phi.json`:
 coefficient fwd+bwd 0.288 -> 0.273 ms); the engine's exit and entry launches come from
 `python benchmarks/mhc_exit.py` (`mhc-exit-cuda-tiles.json`: at 256 tokens, exit 6.68 -> 5.79
-us with 32 tokens a program, entry 3.65 -> 3.19 us with 256 programs); the other entries come from ptxas register counts.
+us with 32 tokens a program, entry 3.65 -> 3.19 us with 256 programs); the other entries
+come from ptxas register counts.
 """
 
 from __future__ import annotations
