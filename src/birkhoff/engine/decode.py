@@ -99,6 +99,7 @@ class Generation:
         self.finish: list[str | None] = [None] * R
         self.stats = SpecStats(self.num_drafts)
         self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
+        self.any_filtered = any(map(is_filtered, params))  # no: every step's context is ctx
 
     def run(self) -> list[Completion]:
         if self.num_drafts:
@@ -153,11 +154,12 @@ class Generation:
 
     def plain_rows(self, pending: QueuedStep | None) -> list[int]:
         """The active rows a plain step runs: not those done by length once `pending` is read."""
-        in_flight = set(zip(pending.rows, pending.requests, strict=True)) if pending else set()
+        request_of = self.scheduler.request_of
+        in_flight = dict(zip(pending.rows, pending.requests, strict=True)) if pending else {}
         return [
             i
             for i in self.scheduler.active_rows
-            if not self.reaches_length(i, (i, self.scheduler.request_of[i]) in in_flight)
+            if not self.reaches_length(i, in_flight.get(i, -1) == request_of[i])
         ]
 
     def reaches_length(self, i: int, token_in_flight: bool) -> bool:
@@ -172,6 +174,8 @@ class Generation:
 
     def context(self, rows: list[int]) -> StepContext:
         """The step context for `rows` (whether some of them sample with top-k / top-p)."""
+        if not self.any_filtered:
+            return self.ctx
         filtered = any(is_filtered(self.row_params[i]) for i in rows)
         return self.ctx if filtered == self.ctx.filtered else replace(self.ctx, filtered=filtered)
 
@@ -237,30 +241,35 @@ class Generation:
     def collect(self, step: QueuedStep) -> None:
         """Emit a queued step's tokens to the requests that still own the rows (waits for that
         step's copy only, while the step queued after it runs)."""
+        request_of, finish = self.scheduler.request_of, self.finish
         for i, r, (tok, lp) in zip(step.rows, step.requests, step.out.tolist(), strict=True):
-            if self.scheduler.request_of.get(i) == r and self.finish[r] is None:
-                self.emit(i, [int(tok)], [lp], advance=False)
+            if request_of.get(i) == r and finish[r] is None:
+                self.append(i, r, int(tok), lp)
 
     def emit(self, i: int, tokens: list[int], logprobs: list[float], advance: bool = True) -> None:
         """Append tokens to row i's request until a stop token, max_new_tokens or max_seq_len;
         a finished request frees its row. `advance`: move n past the tokens (queued plain steps
         moved it already)."""
         r = self.scheduler.request_of[i]
-        p, out = self.params[r], self.out_tokens[r]
         for tok, lp in zip(tokens, logprobs, strict=True):
-            out.append(tok)
-            self.out_logprobs[r].append(lp)
-            if tok in p.stop_token_ids:
-                self.finish[r] = "stop"
-            elif (
-                len(out) >= p.max_new_tokens or len(self.prompts[r]) + len(out) >= self.max_seq_len
-            ):
-                self.finish[r] = "length"
-            if self.finish[r] is not None:
-                self.scheduler.release(i)
+            if self.append(i, r, tok, lp):
                 return
         if advance:
             self.n[i] += len(tokens)
+
+    def append(self, i: int, r: int, tok: int, lp: float) -> bool:
+        """Append one token to request r (in row i); whether that finished it (its row freed)."""
+        p, out = self.params[r], self.out_tokens[r]
+        out.append(tok)
+        self.out_logprobs[r].append(lp)
+        if tok in p.stop_token_ids:
+            self.finish[r] = "stop"
+        elif len(out) >= p.max_new_tokens or len(self.prompts[r]) + len(out) >= self.max_seq_len:
+            self.finish[r] = "length"
+        else:
+            return False
+        self.scheduler.release(i)
+        return True
 
     def can_run_ahead(self, pending: QueuedStep) -> bool:
         """Whether a step queued behind `pending` stays inside the cache for every row of it,
