@@ -4,7 +4,9 @@ Legend: A rows, T query tokens per row (1: a plain decode step), H = G heads (h2
 64 dims), N cache positions, ctx the live prefix each row attends over.
 
 For each shape and each variant of `kernels.attention.CONFIG` (keys per block BN, num_warps,
-num_stages) and of the split size SPLIT, times --calls back-to-back calls of the op captured in
+num_stages), of `kernels.attention.HEADS` (the T = 1 kernel's kv heads a program HB, key columns
+a block BN, num_warps, num_stages; HB 0 sends T = 1 to the CONFIG kernel) and of the split size
+SPLIT, times --calls back-to-back calls of the op captured in
 one CUDA graph (device time only: a decode step replays it from a graph too; timing the Python
 launches instead measures the host at small shapes), checks the output against the default's,
 and reports the live K/V bytes per second against a device copy measured in the same run.
@@ -12,7 +14,7 @@ Prints a table of the default and the fastest variants per shape, then a JSON li
 
   python benchmarks/decode_attention.py                  # ~1 minute on an H200
   TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --shapes 2:20 \
-      --heads 2 --bn 16 --warps 1 --stages 1 --splits 256 --calls 1 --out /tmp/attn.json
+      --heads 2 --bn 16 --warps 1 --stages 1 --hb 2 --splits 256 --calls 1 --out /tmp/attn.json
 """
 
 from __future__ import annotations
@@ -59,11 +61,24 @@ def shape_inputs(A: int, ctx: int, heads: int, device: str) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _set(config: dict[str, int], heads: dict[str, int], split: int) -> None:
+    attention.CONFIG.clear()
+    attention.CONFIG.update(config)
+    attention.HEADS.clear()
+    attention.HEADS.update(heads)
+    attention.SPLIT = split
+
+
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     copy = copy_bandwidth(args.device, 10)
-    default = dict(attention.CONFIG), attention.SPLIT
-    variants = [(dict(BN=bn, num_warps=w, num_stages=st), split) for split, bn, w, st in
-                itertools.product(args.splits, args.bn, args.warps, args.stages)]  # fmt: skip
+    default = dict(attention.CONFIG), dict(attention.HEADS), attention.SPLIT
+    tiles = list(itertools.product(args.bn, args.warps, args.stages))
+    off = dict(default[1], HB=0)
+    variants = [(dict(BN=bn, num_warps=w, num_stages=st), off, split)
+                for split in args.splits for bn, w, st in tiles]  # fmt: skip
+    variants += [(default[0], dict(HB=hb, BN=bn, num_warps=w, num_stages=st), split)
+                 for split in args.splits for hb in args.hb for bn, w, st in tiles
+                 if bn % hb == 0]  # fmt: skip
     rows = []
     for shape in args.shapes.split(","):
         A, ctx = (int(v) for v in shape.split(":"))
@@ -71,21 +86,18 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         live_bytes = 2 * A * args.heads * ctx * 64 * inp["k_BGNK"].element_size()
         ref = attention.decode_attention(**inp)
         call = functools.partial(attention.decode_attention, **inp)
-        for config, split in [default, *variants]:
-            attention.CONFIG.clear()
-            attention.CONFIG.update(config)
-            attention.SPLIT = split
+        for config, heads, split in [default, *variants]:
+            _set(config, heads, split)
             try:
                 seconds = device_seconds(call, args.calls, args.device)
                 diff = (call().float() - ref.float()).abs().max().item()
             finally:
-                attention.CONFIG.clear()
-                attention.CONFIG.update(default[0])
-                attention.SPLIT = default[1]
-            rows.append(dict(A=A, ctx=ctx, split=split, **config, us=seconds * 1e6, diff=diff,
-                             of_copy=live_bytes / seconds / copy,
-                             default=(config, split) == default))  # fmt: skip
-    return dict(copy_gb_s=copy / 1e9, default=dict(default[0], SPLIT=default[1]), rows=rows)
+                _set(*default)
+            rows.append(dict(A=A, ctx=ctx, split=split, **config, heads=heads, us=seconds * 1e6,
+                             diff=diff, of_copy=live_bytes / seconds / copy,
+                             default=(config, heads, split) == default))  # fmt: skip
+    return dict(copy_gb_s=copy / 1e9, default=dict(default[0], HEADS=default[1], SPLIT=default[2]),
+                rows=rows)  # fmt: skip
 
 
 def print_sweep(result: dict[str, Any], top: int) -> None:
@@ -96,8 +108,11 @@ def print_sweep(result: dict[str, Any], top: int) -> None:
         base = next(r for r in rows if r["default"])
         print(f"\nA {A} ctx {ctx}: default {base['us']:.1f} us ({base['of_copy']:.2f} of copy)")
         for r in sorted(rows, key=lambda r: r["us"])[:top]:
-            print(f"  split {r['split']:4} BN {r['BN']:4} warps {r['num_warps']} stages "
-                  f"{r['num_stages']}: {r['us']:8.1f} us  {r['of_copy']:.2f} of copy  "
+            h = r["heads"]
+            tile = (f"BN {r['BN']:4} warps {r['num_warps']} stages {r['num_stages']}"
+                    if not h["HB"] else f"HB {h['HB']} BN {h['BN']:4} warps {h['num_warps']} "
+                    f"stages {h['num_stages']}")  # fmt: skip
+            print(f"  split {r['split']:4} {tile}: {r['us']:8.1f} us  {r['of_copy']:.2f} of copy  "
                   f"x{base['us'] / r['us']:.2f}  diff {r['diff']:.1e}")  # fmt: skip
 
 
@@ -110,6 +125,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--bn", type=ints, default=[32, 64, 128])
     p.add_argument("--warps", type=ints, default=[1, 2, 4])
     p.add_argument("--stages", type=ints, default=[2, 3])
+    p.add_argument("--hb", type=ints, default=[2, 4, 8], help="T = 1 kernel's heads a program")
     p.add_argument("--splits", type=ints, default=[256, 512])
     p.add_argument("--calls", type=int, default=20, help="op calls per timed CUDA graph")
     p.add_argument("--top", type=int, default=6)

@@ -30,6 +30,19 @@ def test_decode_attention_does_not_depend_on_the_key_bucket(case: tuple) -> None
     check_limit_independent("cpu", case)
 
 
+@pytest.mark.parametrize(("hb", "bn"), [(2, 32), (4, 64), (8, 16)])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7)], ids=case_id)
+def test_decode_attention_heads_kernel(
+    case: tuple, hb: int, bn: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T = 1 and H = G through the several-heads kernel (a partial head block at 6 heads)."""
+    from birkhoff.kernels import attention
+
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
+    check_decode_attention("cpu", case)
+    check_limit_independent("cpu", case)
+
+
 def test_decode_attention_rejects_bad_shapes() -> None:
     from birkhoff.kernels.attention import decode_attention
 

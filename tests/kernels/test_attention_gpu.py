@@ -32,3 +32,15 @@ def test_decode_attention_does_not_depend_on_the_key_bucket(case: tuple) -> None
 @pytest.mark.parametrize("case", CASES[1:2] + CASES[4:5], ids=case_id)
 def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case: tuple) -> None:
     check_strided_positions("cuda", case)
+
+
+@pytest.mark.parametrize(("hb", "bn"), [(2, 32), (4, 64), (8, 64)])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7)], ids=case_id)
+def test_decode_attention_heads_kernel(
+    case: tuple, hb: int, bn: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from birkhoff.kernels import attention
+
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
+    check_decode_attention("cuda", case)
+    check_limit_independent("cuda", case)

@@ -29,6 +29,9 @@ MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in regi
 # 4 at every decode shape timed; 32 keys a block beat 64 by 9-12% at 88 positions, 1% at 400,
 # and lose 3% at 2000)
 CONFIG = dict(BN=32, num_warps=2, num_stages=3)
+# `decode_attention_heads`' launch, for T = 1 and H = G: HB kv heads a program, BN key columns
+# a block (BN / HB keys of each head); HB 0: that case takes decode_attention_fwd too
+HEADS = dict(HB=0, BN=64, num_warps=2, num_stages=3)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
@@ -61,7 +64,20 @@ def decode_attention(
     part = out if direct else torch.empty((A, T, H, P, K), dtype=torch.float32, device=out.device)
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
-    if A * T:
+    precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
+    if A * T and T == R == 1 and HEADS["HB"]:
+        launch = dict(HEADS)
+        hb = launch.pop("HB")
+        AT.decode_attention_heads[(A * -(-G // hb), P)](
+            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
+            G, K, limit, K**-0.5, P, positions_AT.stride(0), valid_AT.stride(0),
+            q_ATHK.stride(0), q_ATHK.stride(2),
+            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
+            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
+            SPLIT=SPLIT, HB=hb, BM=max(16, pow2(hb)), BK=BK, DIRECT=direct, PRECISION=precision,
+            DOT_FP32=INTERPRET, **launch,
+        )  # fmt: skip
+    elif A * T:
         AT.decode_attention_fwd[(A * G, P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
             T, R, G, H, K, limit, K**-0.5, P,
@@ -70,13 +86,13 @@ def decode_attention(
             k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
             v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
             SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
-            DIRECT=direct, PRECISION="ieee" if q_ATHK.dtype == torch.float32 else "tf32",
+            DIRECT=direct, PRECISION=precision,
             DOT_FP32=INTERPRET, **CONFIG,
         )  # fmt: skip
-        if not direct:
-            AT.decode_attention_combine[(A * T * H,)](
-                part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
-            )
+    if A * T and not direct:
+        AT.decode_attention_combine[(A * T * H,)](
+            part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
+        )
     return out
 
 

@@ -9,6 +9,10 @@ P splits of the key range.
   largest query position + 1 of its real tokens: the live prefix, not the cache bucket) with an
   online softmax in fp32, and writes either the normalised output (one split) or its
   unnormalised accumulator with the running max and sum (several splits).
+- `decode_attention_heads`: the same for T = 1 and H = G (a plain decode step without GQA),
+  one program per (row, HB kv heads, split): query row m is head m's, and a block's BN key
+  columns are BN / HB keys of each head, masked to their own head's row (a block-diagonal
+  score tile), so one dot serves HB heads where the per-head kernel's 16-row tile holds one.
 - `decode_attention_combine`: one program per (row, token, head) merges the splits' partials in
   split order.
 Split boundaries sit at fixed key positions and a split past a row's end contributes exact
@@ -86,6 +90,77 @@ def decode_attention_fwd(
 
     # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
     o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
+    ok = m_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
+    else:
+        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
+def decode_attention_heads(
+    q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
+    G, K, limit, scale, P, sp_a, sr_a, sq_a, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+    SPLIT: tl.constexpr, HB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    blocks = tl.cdiv(G, HB)
+    a, g0 = pid // blocks, (pid % blocks) * HB
+    qpos = tl.load(pos_ptr + a * sp_a)
+    real = tl.load(valid_ptr + a * sr_a) != 0
+    lo = s * SPLIT
+    hi = tl.minimum(tl.minimum(lo + SPLIT, tl.where(real, qpos + 1, 0)), limit)
+
+    m = tl.arange(0, BM)
+    h_m = g0 + m
+    m_ok = (m < HB) & (h_m < G)
+    d = tl.arange(0, BK)
+    d_ok = d < K
+    q_off = a.to(tl.int64) * sq_a + h_m[:, None] * sq_h + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    c = tl.arange(0, BN)  # key column: head g0 + c // (BN // HB), key c % (BN // HB)
+    h_c = g0 + c // (BN // HB)
+    own = h_m[:, None] == h_c[None, :]
+    k_base = k_ptr + row * sk_b + h_c.to(tl.int64) * sk_g
+    v_base = v_ptr + row * sv_b + h_c.to(tl.int64) * sv_g
+
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    for start in range(lo, hi, BN // HB):
+        n = start + c % (BN // HB)
+        n_ok = (n < hi) & (h_c < G)
+        kt = tl.load(
+            k_base[None, :] + n[None, :].to(tl.int64) * sk_n + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
+        scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
     ok = m_ok[:, None] & d_ok[None, :]
     if DIRECT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
