@@ -30,8 +30,11 @@ MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in regi
 # and lose 3% at 2000)
 CONFIG = dict(BN=32, num_warps=2, num_stages=3)
 # `decode_attention_heads`' launch, for T = 1 and H = G: HB kv heads a program, BN key columns
-# a block (BN / HB keys of each head); HB 0: that case takes decode_attention_fwd too
-HEADS = dict(HB=0, BN=64, num_warps=2, num_stages=3)
+# a block (BN / HB keys of each head); HB 0: that case takes decode_attention_fwd too. Off:
+# at 256 rows HB 4 / BN 64 / 2 stages is 11% faster (20.9 vs 23.6 us at 88 positions), at 1 row
+# 2x slower (`decode_attention-cuda-heads-dot.json`), and choosing by batch would make a row's
+# bits depend on its batch (a graph's padded bucket vs an eager step)
+HEADS = dict(HB=0, BN=64, num_warps=2, num_stages=2)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
