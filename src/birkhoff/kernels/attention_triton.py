@@ -29,6 +29,34 @@ import triton.language as tl
 
 
 @triton.jit
+def _accumulate(scores, v_ptrs, v_mask, acc, m_i, l_i, PRECISION, DOT_FP32):
+    """One key block: the online softmax of its scores, then acc rescaled plus p v (the block's
+    values [BN, BK] at v_ptrs). Returns (acc, running max, running sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT):
+    """The normalised output (one split) or the split's accumulator, max and sum."""
+    ok = m_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
+    else:
+        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
 def decode_attention_fwd(
     q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
     T, R, G, H, K, limit, scale, P,
@@ -74,30 +102,14 @@ def decode_attention_fwd(
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_base + n[:, None].to(tl.int64) * sv_n + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        v_ptrs = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
 
     # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
     o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
-    ok = m_ok[:, None] & d_ok[None, :]
-    if DIRECT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
-    else:
-        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
-        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
-        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+    _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)
 
 
 @triton.jit
@@ -146,29 +158,13 @@ def decode_attention_heads(
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        v_ptrs = v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :]
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
 
     o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
-    ok = m_ok[:, None] & d_ok[None, :]
-    if DIRECT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
-    else:
-        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
-        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
-        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+    _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)
 
 
 @triton.jit
