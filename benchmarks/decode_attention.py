@@ -12,7 +12,7 @@ launches instead measures the host at small shapes), checks the output against t
 and reports the live K/V bytes per second against a device copy measured in the same run.
 Prints a table of the default and the fastest variants per shape, then a JSON line.
 
-  python benchmarks/decode_attention.py                  # ~1 minute on an H200
+  python benchmarks/decode_attention.py                  # a few minutes on an H200
   TRITON_INTERPRET=1 python benchmarks/decode_attention.py --device cpu --shapes 2:20 \
       --heads 2 --bn 16 --warps 1 --stages 1 --hb 2 --splits 256 --calls 1 --out /tmp/attn.json
 """

@@ -99,3 +99,13 @@ def check_strided_positions(device: str, case: tuple) -> None:
         got = decode_attention(q, k, v, rows_A, column_major, live_AT, limit)
         want = reference(q, k, v, rows_A, positions_AT, limit)
     assert (got.float() - want.float()).abs().max().item() <= TOL[q.dtype]
+
+
+def check_heads_kernel(device: str, case: tuple, hb: int, bn: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+    """T = 1 and H = G through the several-heads kernel (`attention.HEADS` with HB heads and BN
+    key columns a block): against SDPA, and independent of the key bucket."""
+    from birkhoff.kernels import attention
+
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
+    check_decode_attention(device, case)
+    check_limit_independent(device, case)

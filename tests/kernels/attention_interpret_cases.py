@@ -11,6 +11,7 @@ from attention_cases import (
     CASES,
     case_id,
     check_decode_attention,
+    check_heads_kernel,
     check_limit_independent,
     check_strided_positions,
 )
@@ -36,11 +37,18 @@ def test_decode_attention_heads_kernel(
     case: tuple, hb: int, bn: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """T = 1 and H = G through the several-heads kernel (a partial head block at 6 heads)."""
+    check_heads_kernel("cpu", case, hb, bn, monkeypatch)
+
+
+def test_decode_attention_rejects_a_bad_heads_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import attention
 
-    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
-    check_decode_attention("cpu", case)
-    check_limit_independent("cpu", case)
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(3, 4, 32, 16)
+    rows, pos, valid = torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).bool()
+    for hb, bn in ((3, 48), (4, 2)):
+        monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
+        with pytest.raises(ValueError, match=f"HB {hb} must be a power of two dividing BN {bn}"):
+            attention.decode_attention(q, k, k, rows, pos, valid, 8)
 
 
 def test_decode_attention_rejects_bad_shapes() -> None:

@@ -9,6 +9,7 @@ from attention_cases import (
     CASES,
     case_id,
     check_decode_attention,
+    check_heads_kernel,
     check_limit_independent,
     check_strided_positions,
 )
@@ -39,8 +40,4 @@ def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case
 def test_decode_attention_heads_kernel(
     case: tuple, hb: int, bn: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birkhoff.kernels import attention
-
-    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
-    check_decode_attention("cuda", case)
-    check_limit_independent("cuda", case)
+    check_heads_kernel("cuda", case, hb, bn, monkeypatch)

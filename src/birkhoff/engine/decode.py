@@ -99,7 +99,7 @@ class Generation:
         self.finish: list[str | None] = [None] * R
         self.stats = SpecStats(self.num_drafts)
         self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
-        self.any_filtered = any(map(is_filtered, params))  # no: every step's context is ctx
+        self.any_filtered = any(map(is_filtered, params))  # False: every step runs with ctx
 
     def run(self) -> list[Completion]:
         if self.num_drafts:

@@ -71,6 +71,9 @@ def decode_attention(
     if A * T and T == R == 1 and HEADS["HB"]:
         launch = dict(HEADS)
         hb = launch.pop("HB")
+        if hb & (hb - 1) or launch["BN"] % hb:
+            raise ValueError(f"decode_attention: HEADS HB {hb} must be a power of two dividing "
+                             f"BN {launch['BN']}")  # fmt: skip
         AT.decode_attention_heads[(A * -(-G // hb), P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
             G, K, limit, K**-0.5, P, positions_AT.stride(0), valid_AT.stride(0),
