@@ -109,3 +109,35 @@ def check_heads_kernel(device: str, case: tuple, hb: int, bn: int, monkeypatch) 
     monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
     check_decode_attention(device, case)
     check_limit_independent(device, case)
+
+
+def check_attention_rope(device: str, case: tuple) -> None:
+    """One token a row: `decode_attention_rope` on the raw projections against `rope_cache` then
+    `decode_attention`: the same output and the same caches, bit for bit, except the trash slot
+    that a padded row's token writes only through rope_cache."""
+    from birkhoff.kernels.attention import decode_attention, decode_attention_rope
+    from birkhoff.kernels.norm_rope import rope_cache
+
+    dt, T, H, G, K, B, N, limit = case
+    q, k, v, rows_A, positions_AT, valid_AT, limit = make_case(device, case)
+    g = torch.Generator().manual_seed(1)
+    A = q.shape[0]
+    # the new token's projections as views of one fused qkv row, as the engine passes them
+    qkv = torch.randn(A, 1, (H + 2 * G) * K, generator=g).to(dt).to(device)
+    q_new, k_new, v_new = qkv.split([H * K, G * K, G * K], -1)
+    q_new, k_new, v_new = q_new.view(A, 1, H, K), k_new.view(A, 1, G, K), v_new.view(A, 1, G, K)
+    theta = 100 * torch.rand(A, 1, K // 2, generator=g, dtype=torch.float64)
+    cos, sin = theta.cos().to(device), theta.sin().to(device)
+    if A > 1:  # a padded row (a CUDA graph's bucket): its token points at the trash slot
+        valid_AT[1], positions_AT[1] = False, N - 1
+    k_ref, v_ref = k.clone(), v.clone()
+    with torch.no_grad():
+        q_rot = rope_cache(q_new, k_new, v_new, cos, sin, k_ref, v_ref, rows_A, positions_AT)
+        want = decode_attention(q_rot, k_ref, v_ref, rows_A, positions_AT, valid_AT, limit)
+        got = decode_attention_rope(
+            q_new, k_new, v_new, cos, sin, k, v, rows_A, positions_AT, valid_AT, limit
+        )
+    real = valid_AT[:, 0]
+    assert torch.equal(got[real], want[real])
+    assert torch.equal(k[..., : N - 1, :], k_ref[..., : N - 1, :])
+    assert torch.equal(v[..., : N - 1, :], v_ref[..., : N - 1, :])

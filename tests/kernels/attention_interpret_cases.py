@@ -10,6 +10,7 @@ import torch
 from attention_cases import (
     CASES,
     case_id,
+    check_attention_rope,
     check_decode_attention,
     check_heads_kernel,
     check_limit_independent,
@@ -71,6 +72,36 @@ def test_custom_op_registration() -> None:
     torch.library.opcheck(decode_attention, (q, k, k, rows, pos, valid, 20))
 
 
+def test_rope_custom_op_registration() -> None:
+    from birkhoff.kernels.attention import decode_attention_rope
+
+    q, new, cos = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.rand(2, 1, 8)
+    k, v = torch.randn(3, 2, 32, 16), torch.randn(3, 2, 32, 16)
+    rows, pos, valid = torch.tensor([2, 0]), torch.tensor([[4], [9]]), torch.ones(2, 1).bool()
+    args = (q, new, new, cos, cos, k, v, rows, pos, valid, 20)
+    torch.library.opcheck(decode_attention_rope, args)
+
+
 @pytest.mark.parametrize("case", CASES[1:2] + CASES[4:5], ids=case_id)
 def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case: tuple) -> None:
     check_strided_positions("cpu", case)
+
+
+ROPE_CASES = [c for c in CASES if c[1] == 1]  # one token a row: decode and draft steps
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> None:
+    check_attention_rope("cpu", case)
+
+
+def test_decode_attention_rope_rejects_bad_shapes() -> None:
+    from birkhoff.kernels.attention import decode_attention_rope
+
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(3, 4, 32, 16)
+    new, cos = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 8)
+    rows, pos, valid = torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).bool()
+    with pytest.raises(ValueError, match="one token a row"):
+        decode_attention_rope(q.expand(2, 2, 4, 16), new, new, cos, cos, k, k, rows, pos, valid, 8)
+    with pytest.raises(ValueError, match=r"angles \(2, 1, 4\)"):
+        decode_attention_rope(q, new, new, cos[..., :4], cos[..., :4], k, k, rows, pos, valid, 8)

@@ -8,6 +8,7 @@ import torch
 from attention_cases import (
     CASES,
     case_id,
+    check_attention_rope,
     check_decode_attention,
     check_heads_kernel,
     check_limit_independent,
@@ -41,3 +42,8 @@ def test_decode_attention_heads_kernel(
     case: tuple, hb: int, bn: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check_heads_kernel("cuda", case, hb, bn, monkeypatch)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 1], ids=case_id)
+def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> None:
+    check_attention_rope("cuda", case)

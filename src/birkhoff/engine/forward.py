@@ -107,32 +107,50 @@ def attention(
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
         q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
         k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps, kernels=kernels)
-    fused = use_fused(q_ATHK, kernels)
+    fused, v_ATGK = use_fused(q_ATHK, kernels), v.view(A, T, G, K)
+    if fused and T == 1 and H // G <= DECODE_QUERIES:  # rope, cache write, attention: one launch
+        from birkhoff.kernels.attention import decode_attention_rope
+
+        k_BGNK, v_BGNK = cache.read(layer, chunk.limit)
+        out_ATHK = decode_attention_rope(
+            q_ATHK, k_ATGK, v_ATGK, chunk.cos_ATK, chunk.sin_ATK, k_BGNK, v_BGNK, chunk.rows_A,
+            chunk.positions_AT, chunk.valid_AT, chunk.limit,
+        )  # fmt: skip
+    else:
+        out_ATHK = rope_and_attend(q_ATHK, k_ATGK, v_ATGK, cache, layer, chunk, fused)
+    out_bias = attn + "wo.bias" if cfg.attn_out_bias else None
+    return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias,
+                  kernels=kernels)  # fmt: skip
+
+
+def rope_and_attend(
+    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cache: KVCache, layer: int, chunk: Chunk,
+    fused: bool,
+) -> Tensor:  # fmt: skip
+    """Rope, the cache write and the attention of a chunk of several tokens a row (or eager)."""
+    A, T, H, K = q_ATHK.shape
+    G = k_ATGK.shape[2]
     if fused:  # one launch: rope of q and k, k and v into the cache
         from birkhoff.kernels.norm_rope import rope_cache
 
         k_BGNK, v_BGNK = cache.layer(layer)
-        q_ATHK = rope_cache(q_ATHK, k_ATGK, v.view(A, T, G, K), chunk.cos_ATK, chunk.sin_ATK,
-                            k_BGNK, v_BGNK, chunk.rows_A, chunk.positions_AT)  # fmt: skip
+        q_ATHK = rope_cache(q_ATHK, k_ATGK, v_ATGK, chunk.cos_ATK, chunk.sin_ATK, k_BGNK, v_BGNK,
+                            chunk.rows_A, chunk.positions_AT)  # fmt: skip
     else:
-        q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
-        k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels=kernels)
-        cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v.view(A, T, G, K))
+        q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels="eager")
+        k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels="eager")
+        cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v_ATGK)
     if fused and T * (H // G) <= DECODE_QUERIES:
         from birkhoff.kernels.attention import decode_attention
 
         k_BGNK, v_BGNK = cache.read(layer, chunk.limit)  # rows read in place, live prefix only
-        out_ATHK = decode_attention(
+        return decode_attention(
             q_ATHK, k_BGNK, v_BGNK, chunk.rows_A, chunk.positions_AT, chunk.valid_AT, chunk.limit
         )
-    else:
-        k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
-        out_ATHK = F.scaled_dot_product_attention(
-            q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
-        ).transpose(1, 2)
-    out_bias = attn + "wo.bias" if cfg.attn_out_bias else None
-    return linear(out_ATHK.reshape(A, T, H * K), w, attn + "wo.weight", bias=out_bias,
-                  kernels=kernels)  # fmt: skip
+    k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
+    return F.scaled_dot_product_attention(
+        q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G
+    ).transpose(1, 2)
 
 
 def mlp(x_ATD: Tensor, w: Weights, prefix: str, kernels: str) -> Tensor:

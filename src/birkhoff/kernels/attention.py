@@ -10,7 +10,10 @@ The eager reference is `F.scaled_dot_product_attention` with the explicit mask `
 what its key bucket costs: the mask's whole [A, 1, T, limit] and every row's keys up to the
 bucket, live or not (at batch 256 it was a third of a step). This op instead stops each row at
 its own last real position, splits long key ranges over programs (flash-decoding), and reads
-the cache rows in place (no gather of `rows_A`).
+the cache rows in place (no gather of `rows_A`). `birkhoff::decode_attention_rope` is the same
+op for one token a row with the layer's prologue folded in (rope of q and k, k and v into the
+cache: `norm_rope.rope_cache`'s work, in the same arithmetic), one launch a layer where a decode
+step had two.
 """
 
 from __future__ import annotations
@@ -46,6 +49,46 @@ def decode_attention(
     the keys at positions <= positions_AT[a, t] and < limit; a row's padded tokens (valid_AT
     False) are ignored when the row's key range is found (their outputs are unspecified).
     Returns [A, T, H, K] in q's dtype."""
+    return _attend(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit, None)
+
+
+@torch.library.custom_op("birkhoff::decode_attention_rope", mutates_args=("k_BGNK", "v_BGNK"))
+def decode_attention_rope(
+    q_A1HK: Tensor, k_A1GK: Tensor, v_A1GK: Tensor, cos_A1K2: Tensor, sin_A1K2: Tensor,
+    k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_A1: Tensor, valid_A1: Tensor,
+    limit: int,
+) -> Tensor:  # fmt: skip
+    """`norm_rope.rope_cache` then `decode_attention` in one launch, for one token a row (a
+    decode or draft step): q and k are the token's raw projections (views of the fused qkv
+    projection may be passed), rotated here; k and v are written into the caches at
+    (rows_A[a], positions_A1[a]) for real tokens at positions < limit (a padded token writes
+    nothing: rope_cache would write it to the trash slot, which no query reads)."""
+    A, T, H, K = q_A1HK.shape
+    G = k_A1GK.shape[2]
+    if T != 1 or K % 2 or k_A1GK.shape != (A, 1, G, K) or v_A1GK.shape != (A, 1, G, K):
+        raise ValueError(f"decode_attention_rope: one token a row with an even head dim, got "
+                         f"q {tuple(q_A1HK.shape)}, k {tuple(k_A1GK.shape)}, "
+                         f"v {tuple(v_A1GK.shape)}")  # fmt: skip
+    if cos_A1K2.shape != (A, 1, K // 2) or sin_A1K2.shape != cos_A1K2.shape:
+        raise ValueError(f"decode_attention_rope: angles {tuple(cos_A1K2.shape)} / "
+                         f"{tuple(sin_A1K2.shape)}, expected {(A, 1, K // 2)}")  # fmt: skip
+    if HEADS["HB"] and H == G:  # the several-heads kernel has no rope prologue
+        from birkhoff.kernels.norm_rope import rope_cache
+
+        q_A1HK = rope_cache(q_A1HK, k_A1GK, v_A1GK, cos_A1K2, sin_A1K2, k_BGNK, v_BGNK, rows_A,
+                            positions_A1)  # fmt: skip
+        return decode_attention(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit)
+    check_inputs(k_A1GK, v_A1GK)
+    if k_A1GK.stride(-1) != 1 or v_A1GK.stride(-1) != 1:
+        raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
+    rope = (k_A1GK, v_A1GK, cos_A1K2.contiguous(), sin_A1K2.contiguous())
+    return _attend(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit, rope)
+
+
+def _attend(
+    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
+    valid_AT: Tensor, limit: int, rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+) -> Tensor:  # fmt: skip
     check_inputs(q_ATHK, k_BGNK, v_BGNK)
     A, T, H, K = q_ATHK.shape
     G = k_BGNK.shape[1]
@@ -68,7 +111,7 @@ def decode_attention(
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
     precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
-    if A * T and T == R == 1 and HEADS["HB"]:
+    if A * T and T == R == 1 and HEADS["HB"] and rope is None:
         launch = dict(HEADS)
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
@@ -84,16 +127,19 @@ def decode_attention(
             DOT_FP32=INTERPRET, **launch,
         )  # fmt: skip
     elif A * T:
+        k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
         AT.decode_attention_fwd[(A * G, P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
+            k_new, v_new, cos, sin,
             T, R, G, H, K, limit, K**-0.5, P,
             positions_AT.stride(0), positions_AT.stride(1), valid_AT.stride(0), valid_AT.stride(1),
             q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
             k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
             v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
+            k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
             SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
             DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, **CONFIG,
+            DOT_FP32=INTERPRET, ROPE=rope is not None, **CONFIG,
         )  # fmt: skip
     if A * T and not direct:
         AT.decode_attention_combine[(A * T * H,)](
@@ -105,3 +151,20 @@ def decode_attention(
 @decode_attention.register_fake
 def _(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit):  # type: ignore[no-untyped-def]
     return torch.empty_like(q_ATHK, memory_format=torch.contiguous_format)
+
+
+@decode_attention_rope.register_fake
+def _(
+    q_A1HK,
+    k_A1GK,
+    v_A1GK,
+    cos_A1K2,
+    sin_A1K2,
+    k_BGNK,
+    v_BGNK,
+    rows_A,
+    positions_A1,
+    valid_A1,
+    limit,
+):  # type: ignore[no-untyped-def]  # noqa: E501
+    return torch.empty_like(q_A1HK, memory_format=torch.contiguous_format)

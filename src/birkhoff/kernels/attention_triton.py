@@ -8,7 +8,11 @@ P splits of the key range.
   row's M query vectors once, walks its split's keys in BN-key blocks up to the row's end (the
   largest query position + 1 of its real tokens: the live prefix, not the cache bucket) with an
   online softmax in fp32, and writes either the normalised output (one split) or its
-  unnormalised accumulator with the running max and sum (several splits).
+  unnormalised accumulator with the running max and sum (several splits). With ROPE (T = 1:
+  a decode or draft step) it takes the raw q, k and v of the token and does `rope_cache`'s
+  work first: q and k rotated by the token's angles, and the program whose split holds the
+  token's position writes k and v into the cache there before its walk reads them; no other
+  program reads that position, so one launch replaces two.
 - `decode_attention_heads`: the same for T = 1 and H = G (a plain decode step without GQA),
   one program per (row, HB kv heads, split): query row m is head m's, and a block's BN key
   columns are BN / HB keys of each head, masked to their own head's row (a block-diagonal
@@ -26,6 +30,27 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, token, d, K2):
+    """cos and sin [BK] of one token's angles ([tokens, K2] tables) for head-dim columns d (the
+    'half' layout: columns d and d + K2 share angle d), in fp32."""
+    j = tl.where(d < K2, d, d - K2)
+    ok = j < K2
+    cos = tl.load(cos_ptr + token * K2 + j, mask=ok, other=0.0).to(tl.float32)
+    return cos, tl.load(sin_ptr + token * K2 + j, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotated(x_ptr, head, d, ok, K2, cos, sin):
+    """Columns d of the heads at x_ptr + head rotated by (cos, sin) in the 'half' layout, in
+    fp32: norm_rope_triton._rotate's x1 cos - x2 sin | x2 cos + x1 sin, column by column."""
+    first = d < K2
+    x = tl.load(x_ptr + head + d, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + head + tl.where(first, d + K2, d - K2), mask=ok, other=0.0)
+    xp = xp.to(tl.float32)
+    return tl.where(first, x * cos - xp * sin, x * cos + xp * sin)
 
 
 @triton.jit
@@ -59,10 +84,13 @@ def _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, 
 @triton.jit
 def decode_attention_fwd(
     q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr,
     T, R, G, H, K, limit, scale, P,
     sp_a, sp_t, sr_a, sr_t, sq_a, sq_t, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+    skn_a, skn_g, svn_a, svn_g,
     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -80,13 +108,29 @@ def decode_attention_fwd(
     qpos = tl.load(pos_ptr + a * sp_a + t_m * sp_t, mask=m_ok, other=0)
     d = tl.arange(0, BK)
     d_ok = d < K
-    q_off = a.to(tl.int64) * sq_a + t_m[:, None] * sq_t + (g * R + r_m)[:, None] * sq_h + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q_head = a.to(tl.int64) * sq_a + t_m[:, None] * sq_t + (g * R + r_m)[:, None] * sq_h
+    q_ok = m_ok[:, None] & d_ok[None, :]
     row = tl.load(rows_ptr + a).to(tl.int64)
     k_base = k_ptr + row * sk_b + g * sk_g
     v_base = v_ptr + row * sv_b + g * sv_g
+    if ROPE:  # T = 1: rope_cache's work first, then the same walk over the cache
+        cos, sin = _angles(cos_ptr, sin_ptr, a.to(tl.int64), d, K // 2)
+        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos[None, :], sin[None, :])
+        q = q.to(q_ptr.dtype.element_ty)
+        # the program whose split holds the token's position writes its key and value there
+        # (no other program reads that position); the barrier shows them to every thread
+        pos = tl.load(pos_ptr + a * sp_a)
+        writes = (tl.load(valid_ptr + a * sr_a) != 0) & (pos < limit) & (pos // SPLIT == s)
+        own = tl.where(writes, d_ok, False)  # (the interpreter's scalar & gives an int mask)
+        k_new = _rotated(kn_ptr, a.to(tl.int64) * skn_a + g * skn_g, d, own, K // 2, cos, sin)
+        tl.store(k_base + pos.to(tl.int64) * sk_n + d, k_new.to(k_ptr.dtype.element_ty), own)
+        v_new = tl.load(vn_ptr + a.to(tl.int64) * svn_a + g * svn_g + d, mask=own, other=0.0)
+        tl.store(v_base + pos.to(tl.int64) * sv_n + d, v_new, mask=own)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + q_head + d[None, :], mask=q_ok, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     acc = tl.zeros([BM, BK], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
