@@ -11,8 +11,9 @@ P splits of the key range.
   unnormalised accumulator with the running max and sum (several splits). With ROPE (T = 1:
   a decode or draft step) it takes the raw q, k and v of the token and does `rope_cache`'s
   work first: q and k rotated by the token's angles, and the program whose split holds the
-  token's position writes k and v into the cache there before its walk reads them; no other
-  program reads that position, so one launch replaces two.
+  token's position stores k and v into the cache there before its walk reads them (a barrier
+  orders the stores before the loads; no other program reads that position), so one launch
+  replaces two.
 - `decode_attention_heads`: the same for T = 1 and H = G (a plain decode step without GQA),
   one program per (row, HB kv heads, split): query row m is head m's, and a block's BN key
   columns are BN / HB keys of each head, masked to their own head's row (a block-diagonal
@@ -31,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from birkhoff.kernels.norm_rope_triton import rotate_pair
+
 
 @triton.jit
 def _angles(cos_ptr, sin_ptr, token, d, K2):
@@ -45,25 +48,22 @@ def _angles(cos_ptr, sin_ptr, token, d, K2):
 @triton.jit
 def _rotated(x_ptr, head, d, ok, K2, cos, sin):
     """Columns d of the heads at x_ptr + head rotated by (cos, sin) in the 'half' layout, in
-    fp32: norm_rope_triton._rotate's x1 cos - x2 sin | x2 cos + x1 sin, column by column."""
+    fp32, column by column, with rope_cache's arithmetic (`rotate_pair`)."""
     first = d < K2
     x = tl.load(x_ptr + head + d, mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + head + tl.where(first, d + K2, d - K2), mask=ok, other=0.0)
     xp = xp.to(tl.float32)
-    return tl.where(first, x * cos - xp * sin, x * cos + xp * sin)
+    return rotate_pair(x, xp, cos, sin, first)
 
 
 @triton.jit
-def _accumulate(scores, v_ptrs, v_mask, acc, m_i, l_i, PRECISION, DOT_FP32):
+def _accumulate(scores, v, acc, m_i, l_i, PRECISION):
     """One key block: the online softmax of its scores, then acc rescaled plus p v (the block's
-    values [BN, BK] at v_ptrs). Returns (acc, running max, running sum)."""
+    values [BN, BK]). Returns (acc, running max, running sum)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    if DOT_FP32:
-        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
@@ -114,18 +114,20 @@ def decode_attention_fwd(
     k_base = k_ptr + row * sk_b + g * sk_g
     v_base = v_ptr + row * sv_b + g * sv_g
     if ROPE:  # T = 1: rope_cache's work first, then the same walk over the cache
+        # the program whose split holds the token's position stores its rotated key and its
+        # value there (no other program reads that position); the barrier makes the stores
+        # visible to every thread of the program before the walk loads them
+        # (every program loads them, so the loads do not wait for the position)
         cos, sin = _angles(cos_ptr, sin_ptr, a.to(tl.int64), d, K // 2)
-        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos[None, :], sin[None, :])
-        q = q.to(q_ptr.dtype.element_ty)
-        # the program whose split holds the token's position writes its key and value there
-        # (no other program reads that position); the barrier shows them to every thread
+        k_new = _rotated(kn_ptr, a.to(tl.int64) * skn_a + g * skn_g, d, d_ok, K // 2, cos, sin)
+        v_new = tl.load(vn_ptr + a.to(tl.int64) * svn_a + g * svn_g + d, mask=d_ok, other=0.0)
         pos = tl.load(pos_ptr + a * sp_a)
         writes = (tl.load(valid_ptr + a * sr_a) != 0) & (pos < limit) & (pos // SPLIT == s)
         own = tl.where(writes, d_ok, False)  # (the interpreter's scalar & gives an int mask)
-        k_new = _rotated(kn_ptr, a.to(tl.int64) * skn_a + g * skn_g, d, own, K // 2, cos, sin)
         tl.store(k_base + pos.to(tl.int64) * sk_n + d, k_new.to(k_ptr.dtype.element_ty), own)
-        v_new = tl.load(vn_ptr + a.to(tl.int64) * svn_a + g * svn_g + d, mask=own, other=0.0)
         tl.store(v_base + pos.to(tl.int64) * sv_n + d, v_new, mask=own)
+        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos[None, :], sin[None, :])
+        q = q.to(q_ptr.dtype.element_ty)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_head + d[None, :], mask=q_ok, other=0.0)
@@ -147,9 +149,10 @@ def decode_attention_fwd(
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
         v_ptrs = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        acc, m_i, l_i = _accumulate(
-            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
-        )
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _accumulate(scores, v, acc, m_i, l_i, PRECISION)
 
     # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
     o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
@@ -203,9 +206,10 @@ def decode_attention_heads(
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
         v_ptrs = v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        acc, m_i, l_i = _accumulate(
-            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
-        )
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _accumulate(scores, v, acc, m_i, l_i, PRECISION)
 
     o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
     _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)

@@ -43,13 +43,23 @@ def rms_norm_fwd(
 
 @triton.jit
 def _rotate(src, dst, cos, sin, h, ok, K2, src_head, dst_head, k):
-    """Rotate heads h (rows of the tile) of one token: src/dst point at its head 0."""
+    """Rotate heads h (rows of the tile) of one token: src/dst point at its head 0. The fused
+    multiply-adds are spelled out (`rotate_pair`), so kernels that rotate their own tiles (the
+    decode attention's prologue) round as this one does."""
     from_ = src + h[:, None] * src_head + k[None, :]
     x1 = tl.load(from_, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(from_ + K2, mask=ok, other=0.0).to(tl.float32)
     to = dst + h[:, None] * dst_head + k[None, :]
-    tl.store(to, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=ok)
-    tl.store(to + K2, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=ok)
+    tl.store(to, rotate_pair(x1, x2, cos, sin, True).to(dst.dtype.element_ty), mask=ok)
+    tl.store(to + K2, rotate_pair(x2, x1, cos, sin, False).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotate_pair(x, partner, cos, sin, first):
+    """Rope's rotation of column x with its partner in the 'half' layout (x1 cos - x2 sin in
+    the first half, x2 cos + x1 sin in the second), as explicit fused multiply-adds: left to
+    the compiler, which product it fuses depends on the code around it."""
+    return tl.where(first, tl.fma(x, cos, -(partner * sin)), tl.fma(x, cos, partner * sin))
 
 
 @triton.jit
