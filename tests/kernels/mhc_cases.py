@@ -291,11 +291,14 @@ def check_hyper_entry(
     # 1.2e-7 in H_res after 40 normalisations), and the mixes (mix out's outputs, the normed
     # mix in), sums that can cancel to small values, then round to a neighbouring value of
     # their dtype: within two ulps at the tensor's scale (observed: 5 ulps of one small mix out
-    # element's own magnitude, 14 of one normed input's, on the H200 at D 768)
+    # element's own magnitude, 14 of one normed input's, on the H200 at D 768). The engine's
+    # Sinkhorn (a token a thread) sums in index order, as numpy sums fewer than 8 values; from 8
+    # numpy pairs them, so H_res at S = 8 (and mix out, which applies it) is held to the
+    # tolerances alone.
     two_ulps = 2.0 * torch.finfo(dtype).eps
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape)
-        if i and device == "cpu":
+        if i and device == "cpu" and not (i >= 2 and c.S >= 8):
             assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
         if i in (1, 2):
             assert_close([a], [b], 1e-6, f"coefficient {i}")

@@ -76,6 +76,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     from birkhoff.kernels import mhc, mhc_configs, mhc_entry, mhc_mix
     from birkhoff.kernels import mhc_grad_triton as G
     from birkhoff.kernels import mhc_mix_triton as M
+    from birkhoff.kernels import mhc_rest_triton as R
     from birkhoff.kernels import mhc_triton as K
 
     x = torch.empty(0, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
@@ -111,9 +112,9 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
             entry,
             {"num_warps": int(mhc_configs.CONFIG["pre_mix_norm"]["num_warps"])},
         )
-        if P > S:  # coeff_rest at batch 256: 32 tokens a program, 4 warps
+        if P > S:  # coeff_rest as the engine launches it: a token a thread, one warp
             rest = dict(S=S, SP=SP, P=P, BN=32)
-            usage[f"coeff_rest/{P}"] = compile_for_h200(K.coeff_rest, types, rest, {"num_warps": 4})
+            usage[f"coeff_rest/{P}"] = compile_for_h200(R.coeff_rest, types, rest, {"num_warps": 1})
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))

@@ -105,10 +105,10 @@ def _token_block(cfg: Launch, N: int) -> int:
     return min(int(cfg["BN"]), max(16, pow2(N)))
 
 
-def _tail_block(cfg: Launch, N: int, SP: int, programs: int = 0) -> int:
+def _tail_block(cfg: Launch, N: int, SP: int) -> int:
     """coeff_tail's tokens per program: CONFIG's BN for training, down to one for decode (no
-    tl.dot), so a decode call gets ~`programs` (default TAIL_PROGRAMS) with fewer warps each."""
-    bn = min(int(cfg["BN"]), pow2(cdiv(N, programs or TAIL_PROGRAMS)))
+    tl.dot), so a decode call gets ~TAIL_PROGRAMS with fewer warps each."""
+    bn = min(int(cfg["BN"]), pow2(cdiv(N, TAIL_PROGRAMS)))
     cfg["BN"], cfg["num_warps"] = bn, max(1, min(int(cfg["num_warps"]), bn * SP * SP // 128))
     return bn
 

@@ -24,8 +24,8 @@ rms_norm_fwd, mix_out_fwd), bit for bit under the interpreter, except that the e
 projection sums in another order than coeff_proj (raw logits within 2e-6 of their scale);
 compiled, a kernel's reductions may run in another order (H_res within ~1e-7, the normed input
 within two ulps at its scale; tests/kernels).
-`REST_PROGRAMS` keeps coeff_rest's grid narrow: beside a GEMM, a wide grid took SMs that the
-GEMM's tiles then waited for (docs/results.md).
+coeff_rest holds a token a thread (`mhc_rest_triton`): its tiled form's cross-thread sums made
+it long enough to slow the GEMMs it ran beside (docs/results.md).
 """
 
 from __future__ import annotations
@@ -34,22 +34,20 @@ import torch
 from torch import Tensor
 
 from birkhoff.kernels import mhc_mix_triton as M
+from birkhoff.kernels import mhc_rest_triton as R
 from birkhoff.kernels import mhc_triton as K
 from birkhoff.kernels.mhc import (
     _coefficients_fake,
-    _launch,
     _op_inputs,
     _pads,
     _projection,
     _splits_per_load,
-    _tail_block,
 )
 from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 from birkhoff.kernels.mhc_phi import padded_logits, projection_phi
 
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
-REST_PROGRAMS = 8  # coeff_rest's grid at decode sizes
 
 
 @torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
@@ -147,12 +145,10 @@ def post_res(
 ) -> None:  # fmt: skip
     """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
     N, S = rstd.numel(), post_ATS.shape[-1]
-    SP, cfg = pad_streams(S), _launch("coeff_tail", None, S)
-    bn = _tail_block(cfg, N, SP, REST_PROGRAMS)  # few programs: F's kernels keep the SMs
-    if N:
-        K.coeff_rest[(cdiv(N, bn),)](
-            raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S, SP=SP,
-            P=raw_ATP.shape[-1], BN=bn, num_warps=cfg["num_warps"],
+    if N:  # one warp a program, a token a thread
+        R.coeff_rest[(cdiv(N, 32),)](
+            raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S,
+            SP=pad_streams(S), P=raw_ATP.shape[-1], BN=32, num_warps=1,
         )  # fmt: skip
 
 

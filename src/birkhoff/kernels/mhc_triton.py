@@ -17,8 +17,8 @@ PP: P padded to a power of two (>= 16).
   then (t_max - 1) x (row, column) normalisation with eps in the denominators).
 - `pre_mix_norm`: the engine's sublayer entry: coeff_tail's H_pre, the mix in and the sublayer's
   RMSNorm in one program per few tokens.
-- `coeff_rest`: H_post and H_res alone, from the raw logits and rstd a coeff_tail without them
-  (or pre_mix_norm) stored: the engine runs it beside the sublayer (`mhc_entry`).
+- `coeff_rest` (H_post and H_res alone, from the raw logits and rstd that pre_mix_norm stored,
+  beside the sublayer in the engine): `mhc_rest_triton`, one token a thread.
 - `coeff_bwd`: gradient of the pre-activations, of raw, and the per-token factor of the RMS
   scale's gradient. The Sinkhorn backward reruns the forward once, writing the 2 t_max - 1
   denominators (an [SP] vector each) to a scratch buffer, then walks back: the state entering
@@ -251,18 +251,16 @@ def pre_mix_norm(
 
 
 @triton.jit
-def coeff_rest(
-    raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, N, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
+def _post(
+    raw_ptr, alpha_ptr, bias_ptr, post_ptr, n64, n_ok, rstd,
+    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr,
 ):  # fmt: skip
-    """H_post and H_res from the raw logits and rstd that coeff_tail (WITH_RES=False) or
-    pre_mix_norm stored: coeff_tail's arithmetic (`_post_res`) on the same stored values (bit
-    for bit under the interpreter; compiled, its reductions may run in another order)."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok = n < N
-    rstd = tl.load(rstd_ptr + n, mask=n_ok, other=0.0)
-    _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n.to(tl.int64), n_ok, rstd,
-              _f32(hc_eps), iters, S, SP, P)  # fmt: skip
+    """H_post = 2 sigmoid of the BN tokens' post logits times rstd -> post_ptr [N, S]."""
+    s = tl.arange(0, SP)[None, :]
+    vec_ok = n_ok[:, None] & (s < S)
+    z_post = tl.load(raw_ptr + n64[:, None] * P + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
+    a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
+    tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
 
 
 @triton.jit
@@ -271,12 +269,7 @@ def _post_res(
     S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr,
 ):  # fmt: skip
     """H_post = 2 sigmoid and H_res = Sinkhorn of the BN tokens' raw logits times rstd."""
-    s = tl.arange(0, SP)[None, :]
-    vec_ok = n_ok[:, None] & (s < S)
-    raw_row = raw_ptr + n64[:, None] * P
-    z_post = tl.load(raw_row + S + s, mask=vec_ok, other=0.0) * rstd[:, None]
-    a_post = tl.load(alpha_ptr + 1) * z_post + tl.load(bias_ptr + S + s, mask=s < S, other=0.0)
-    tl.store(post_ptr + n64[:, None] * S + s, 2.0 * tl.sigmoid(a_post), mask=vec_ok)
+    _post(raw_ptr, alpha_ptr, bias_ptr, post_ptr, n64, n_ok, rstd, S, SP, P)
     ij, valid = _res_offsets(n64, n_ok, S, SP)
     z_res = tl.load(raw_ptr + n64[:, None, None] * P + 2 * S + ij, mask=valid, other=0.0)
     b_res = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0)
