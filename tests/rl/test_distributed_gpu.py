@@ -1,6 +1,7 @@
 """The whole job under torchrun on CUDA with NCCL and FSDP2: run, stop after a checkpoint,
 resume, consolidate, generate. One GPU (nproc 1) or two (nproc 2, skipped with fewer).
-Also, on any machine: a bad launch under a real torchrun stops every rank with the message."""
+Also, on any machine: a bad launch under a real torchrun fails fast with the message, no rank
+left running."""
 
 from __future__ import annotations
 
@@ -50,5 +51,7 @@ def test_torchrun_job_on_cuda_resumes_and_consolidates(nproc: int, tmp_path: Pat
 def test_cpu_run_asking_for_nccl_stops_every_rank(tmp_path: Path) -> None:
     bad = birkhoff("run", "--device", "cpu", "--backend", "nccl", "--out", str(tmp_path / "r"),
                    nproc=2)  # fmt: skip
-    assert bad.returncode != 0
-    assert bad.stderr.count("backend='nccl' needs --device cuda") == 2
+    assert bad.returncode != 0  # and no rank hangs (the call's timeout)
+    # each rank checks and exits; once one has, torchrun stops the others, so a rank slower to
+    # start (a loaded machine) may be stopped before it prints: one message at least
+    assert 1 <= bad.stderr.count("backend='nccl' needs --device cuda") <= 2, bad.stderr[-2000:]
