@@ -154,17 +154,5 @@ def _(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit):  # type: i
 
 
 @decode_attention_rope.register_fake
-def _(
-    q_A1HK,
-    k_A1GK,
-    v_A1GK,
-    cos_A1K2,
-    sin_A1K2,
-    k_BGNK,
-    v_BGNK,
-    rows_A,
-    positions_A1,
-    valid_A1,
-    limit,
-):  # type: ignore[no-untyped-def]  # noqa: E501
+def _(q_A1HK, k_A1GK, v_A1GK, cos, sin, k_BGNK, v_BGNK, rows_A, positions, valid, limit):  # type: ignore[no-untyped-def]  # noqa: E501
     return torch.empty_like(q_A1HK, memory_format=torch.contiguous_format)

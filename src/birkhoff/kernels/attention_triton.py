@@ -57,13 +57,16 @@ def _rotated(x_ptr, head, d, ok, K2, cos, sin):
 
 
 @triton.jit
-def _accumulate(scores, v, acc, m_i, l_i, PRECISION):
+def _accumulate(scores, v_ptrs, v_mask, acc, m_i, l_i, PRECISION, DOT_FP32):
     """One key block: the online softmax of its scores, then acc rescaled plus p v (the block's
-    values [BN, BK]). Returns (acc, running max, running sum)."""
+    values [BN, BK] at v_ptrs). Returns (acc, running max, running sum)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
@@ -114,10 +117,9 @@ def decode_attention_fwd(
     k_base = k_ptr + row * sk_b + g * sk_g
     v_base = v_ptr + row * sv_b + g * sv_g
     if ROPE:  # T = 1: rope_cache's work first, then the same walk over the cache
-        # the program whose split holds the token's position stores its rotated key and its
-        # value there (no other program reads that position); the barrier makes the stores
-        # visible to every thread of the program before the walk loads them
-        # (every program loads them, so the loads do not wait for the position)
+        # every program rotates the token's key (its loads need not wait for the position);
+        # the program whose split holds the position stores the key and value there (no other
+        # program reads it), and the barrier orders those stores before the walk's loads
         cos, sin = _angles(cos_ptr, sin_ptr, a.to(tl.int64), d, K // 2)
         k_new = _rotated(kn_ptr, a.to(tl.int64) * skn_a + g * skn_g, d, d_ok, K // 2, cos, sin)
         v_new = tl.load(vn_ptr + a.to(tl.int64) * svn_a + g * svn_g + d, mask=d_ok, other=0.0)
@@ -149,10 +151,9 @@ def decode_attention_fwd(
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
         v_ptrs = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc, m_i, l_i = _accumulate(scores, v, acc, m_i, l_i, PRECISION)
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
 
     # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
     o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
@@ -206,10 +207,9 @@ def decode_attention_heads(
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
         scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
         v_ptrs = v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc, m_i, l_i = _accumulate(scores, v, acc, m_i, l_i, PRECISION)
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
 
     o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
     _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)
