@@ -95,6 +95,14 @@ def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> 
     check_attention_rope("cpu", case)
 
 
+def test_decode_attention_rope_with_the_heads_kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `attention.HEADS` on, H = G rows take rope_cache then the several-heads kernel."""
+    from birkhoff.kernels import attention
+
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=2, BN=32))
+    check_attention_rope("cpu", CASES[0])
+
+
 def test_decode_attention_rope_rejects_bad_shapes() -> None:
     from birkhoff.kernels.attention import decode_attention_rope
 

@@ -72,7 +72,7 @@ def decode_attention_rope(
     if cos_A1K2.shape != (A, 1, K // 2) or sin_A1K2.shape != cos_A1K2.shape:
         raise ValueError(f"decode_attention_rope: angles {tuple(cos_A1K2.shape)} / "
                          f"{tuple(sin_A1K2.shape)}, expected {(A, 1, K // 2)}")  # fmt: skip
-    if HEADS["HB"] and H == G:  # the several-heads kernel has no rope prologue
+    if _heads_kernel(1, H // G):  # the several-heads kernel has no rope prologue
         from birkhoff.kernels.norm_rope import rope_cache
 
         q_A1HK = rope_cache(q_A1HK, k_A1GK, v_A1GK, cos_A1K2, sin_A1K2, k_BGNK, v_BGNK, rows_A,
@@ -83,6 +83,11 @@ def decode_attention_rope(
         raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
     rope = (k_A1GK, v_A1GK, cos_A1K2.contiguous(), sin_A1K2.contiguous())
     return _attend(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit, rope)
+
+
+def _heads_kernel(T: int, R: int) -> bool:
+    """Whether `decode_attention_heads` serves T tokens a row with R query heads a kv head."""
+    return T == R == 1 and bool(HEADS["HB"])
 
 
 def _attend(
@@ -111,7 +116,7 @@ def _attend(
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
     precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
-    if A * T and T == R == 1 and HEADS["HB"] and rope is None:
+    if A * T and _heads_kernel(T, R) and rope is None:
         launch = dict(HEADS)
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
