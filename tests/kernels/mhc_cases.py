@@ -49,6 +49,7 @@ CASES = [
     Case(S=4, B=2, T=17, iters=2),
     Case(S=4, kind="large_logits", iters=20),
     Case(S=4, kind="near_singular"),
+    Case(S=4, D=16, B=3, T=100, iters=2),  # the engine's coeff_rest over two programs
 ]
 
 

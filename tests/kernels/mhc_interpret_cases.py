@@ -40,7 +40,7 @@ def test_coefficients_and_mix_in_as_one_op_match_eager(case: Case) -> None:
     check_hyper(case, "cpu", joint=True)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 5, 6, 9, 10)], ids=case_id)
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 5, 6, 9, 10, 12)], ids=case_id)
 def test_engine_entry_equals_the_training_ops(case: Case) -> None:
     check_hyper_entry(case, "cpu")
 

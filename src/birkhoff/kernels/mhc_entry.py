@@ -47,6 +47,7 @@ from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 from birkhoff.kernels.mhc_phi import padded_logits, projection_phi
 
+REST_WARPS = 8  # coeff_rest: a decode step's 256 tokens on one SM
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
 
 
@@ -145,10 +146,11 @@ def post_res(
 ) -> None:  # fmt: skip
     """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
     N, S = rstd.numel(), post_ATS.shape[-1]
-    if N:  # one warp a program, a token a thread
-        R.coeff_rest[(cdiv(N, 32),)](
+    if N:  # a token a thread, up to REST_WARPS warps a program (few SMs taken from F)
+        warps = min(REST_WARPS, pow2(cdiv(N, 32)))
+        R.coeff_rest[(cdiv(N, 32 * warps),)](
             raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S,
-            SP=pad_streams(S), P=raw_ATP.shape[-1], BN=32, num_warps=1,
+            SP=pad_streams(S), P=raw_ATP.shape[-1], BN=32 * warps, num_warps=warps,
         )  # fmt: skip
 
 
