@@ -253,13 +253,12 @@ def check_hyper_entry(
     side = torch.cuda.Stream(device) if device == "cuda" else None
 
     def entry() -> list[Tensor]:
-        x, y, post, res, rest = mhc_entry.hyper_entry(
+        x, y, post, res, read = mhc_entry.hyper_entry(
             x_in, *coefficients, weight, stream=side, **opts
         )
-        rest()
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        del rest
+        del read
         return [y, post, res, mhc.mix_out(x, inp["f_in"], post, res)]
 
     with torch.no_grad():

@@ -92,23 +92,16 @@ def read_cache(cache: KVCache, layer: int, chunk: Chunk) -> tuple[Tensor, Tensor
     return k[chunk.rows_A], v[chunk.rows_A]
 
 
-def nothing() -> None:
-    """The `beside` of a sublayer with no work to queue beside it."""
-
-
 def attention(
     x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, cache: KVCache, layer: int,
-    chunk: Chunk, beside: Callable[[], None] = nothing,
+    chunk: Chunk,
 ) -> Tensor:  # fmt: skip
-    """The attention sublayer; `beside()` is called once its first projection is queued (what
-    `hyper` runs on the side stream then overlaps the attention itself, not that GEMM)."""
     A, T, _ = x_ATD.shape
     H, G, K, kernels = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mhc_kernels
     attn = prefix + "attn."
     # the fused projection (and bias): [A,T,H*K | G*K | G*K]
     qkv_bias = attn + "wqkv.bias" if cfg.qkv_bias else None
     qkv = linear(x_ATD, w, attn + "wqkv.weight", bias=qkv_bias, kernels=kernels)
-    beside()
     q, k, v = qkv.split([H * K, G * K, G * K], -1)
     q_ATHK, k_ATGK = q.view(A, T, H, K), k.view(A, T, G, K)
     if cfg.qk_norm:  # per-head RMSNorm over K, before rope (Qwen3)
@@ -160,46 +153,35 @@ def rope_and_attend(
     ).transpose(1, 2)
 
 
-def mlp(
-    x_ATD: Tensor, w: Weights, prefix: str, kernels: str, beside: Callable[[], None] = nothing
-) -> Tensor:  # fmt: skip
+def mlp(x_ATD: Tensor, w: Weights, prefix: str, kernels: str) -> Tensor:
     gate_up_ATF2 = linear(x_ATD, w, prefix + "mlp.w_gate_up.weight", kernels=kernels)
-    beside()
     h_ATF = swiglu_halves(gate_up_ATF2, kernels=kernels)
     return linear(h_ATF, w, prefix + "mlp.w_down.weight", kernels=kernels)
 
 
-def feed_forward(
-    x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig, beside: Callable[[], None] = nothing
-) -> Tensor:  # fmt: skip
-    """The block's MLP: MoE where the layout serves a router (engine/moe.py; `beside()` first),
-    else SwiGLU (`beside()` once the fused gate/up projection is queued)."""
+def feed_forward(x_ATD: Tensor, w: Weights, prefix: str, cfg: ModelConfig) -> Tensor:
+    """The block's MLP: MoE where the layout serves a router (engine/moe.py), else SwiGLU."""
     if prefix + "mlp.router.weight" in w:
-        beside()
         return moe_mlp(x_ATD, w, prefix, cfg)
-    return mlp(x_ATD, w, prefix, cfg.mhc_kernels, beside)
+    return mlp(x_ATD, w, prefix, cfg.mhc_kernels)
 
 
 Proj = tuple[Tensor, Tensor] | None  # an entry's projection partials, from the mix out before
-# F(normed input, beside): calls beside() once, when the work beside it may start
-Sublayer = Callable[[Tensor, Callable[[], None]], Tensor]
 
 
 def hyper(
     x_ATSD: Tensor, w: Weights, prefix: str, norm: str, cfg: ModelConfig,
-    sublayer: Sublayer, proj: Proj = None, next_hc: str | None = None,
+    sublayer: Callable[[Tensor], Tensor], proj: Proj = None, next_hc: str | None = None,
 ) -> tuple[Tensor, Proj]:  # fmt: skip
     """One mHC-wrapped sublayer F(RMSNorm(.) * w[norm]) (S = 1: the plain residual), and the
     projection partials of its output for the hyper-connection `next_hc` (a weight prefix) that
     reads it next. With fused kernels the coefficients, mix in and norm are
     `mhc_entry.hyper_entry` (from `proj` where the previous mix out made it), whose H_post and
-    H_res (the Sinkhorn) run on a side stream beside F, forked where F calls `beside` (after its
-    first projection: the GEMM it ran beside took longer at batch 256, docs/results.md) and
-    joined before mix out; mix out also projects the new streams for `next_hc`
-    (`mhc_entry.mix_out_proj`). Elsewhere no partials."""
+    H_res (the Sinkhorn) run on a side stream beside F, joined before mix out; mix out also
+    projects the new streams for `next_hc` (`mhc_entry.mix_out_proj`). Elsewhere no partials."""
 
     def normed(h_ATD: Tensor) -> Tensor:
-        return sublayer(rms_norm(h_ATD, w[norm], cfg.norm_eps, kernels=cfg.mhc_kernels), nothing)
+        return sublayer(rms_norm(h_ATD, w[norm], cfg.norm_eps, kernels=cfg.mhc_kernels))
 
     if cfg.num_streams == 1:
         return plain_residual(x_ATSD, normed), None
@@ -211,14 +193,14 @@ def hyper(
     from birkhoff.kernels import mhc, mhc_entry
 
     side = side_stream(x_ATSD.device)
-    x_ATSD, y_ATD, post, res, rest = mhc_entry.hyper_entry(
+    x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
         x_ATSD, phi, alpha, bias, w[norm], iters=iters, norm_eps=cfg.norm_eps, eps=eps,
         rms_eps=cfg.norm_eps, stream=side, proj=proj,
     )  # fmt: skip
-    f_ATD = sublayer(y_ATD, rest)
+    f_ATD = sublayer(y_ATD)
     if side is not None:
         torch.cuda.current_stream(x_ATSD.device).wait_stream(side)
-    del rest  # what the side stream reads is freed only after the join
+    del read  # what the side stream reads is freed only after the join
     if next_hc is None:
         return mhc.mix_out(x_ATSD, f_ATD, post, res), None
     x_ATSD, part, sq = mhc_entry.mix_out_proj(x_ATSD, f_ATD, post, res, w[next_hc + "phi"])
@@ -238,12 +220,12 @@ def block(
     """One block; `proj` and `next_hc` as `hyper` takes them, for its first and last entry."""
     x_ATSD, proj = hyper(
         x_ATSD, w, prefix + "hc_attn.", prefix + "attn_norm.weight", cfg,
-        lambda h_ATD, beside: attention(h_ATD, w, prefix, cfg, cache, layer, chunk, beside),
-        proj, prefix + "hc_mlp.",
+        lambda h_ATD: attention(h_ATD, w, prefix, cfg, cache, layer, chunk), proj,
+        prefix + "hc_mlp.",
     )  # fmt: skip
     return hyper(
         x_ATSD, w, prefix + "hc_mlp.", prefix + "mlp_norm.weight", cfg,
-        lambda h_ATD, beside: feed_forward(h_ATD, w, prefix, cfg, beside), proj, next_hc,
+        lambda h_ATD: feed_forward(h_ATD, w, prefix, cfg), proj, next_hc,
     )  # fmt: skip
 
 

@@ -30,8 +30,6 @@ it long enough to slow the GEMMs it ran beside (docs/results.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -160,12 +158,11 @@ def hyper_entry(
     x_ATSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, weight_D: Tensor, *,
     iters: int, norm_eps: float, eps: float, rms_eps: float, stream: torch.cuda.Stream | None,
     proj: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Callable[[], None]]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
     """(x as read, the sublayer's input RMSNorm(sum_j H_pre[j] x_j) * weight, H_post, H_res,
-    `rest`). H_post and H_res are computed when `rest()` is called, on `stream` (None: the
-    current one) after all that the current stream has queued by then: the caller calls it
-    once, joins `stream` before reading them and holds `rest` (what it reads) until then.
-    `proj`: x's projection partials, from the `mix_out_proj` that wrote x."""
+    what `stream` reads). H_post and H_res are computed on `stream` (None: the current one):
+    the caller joins it before reading them and holds the last output until then. `proj`: x's
+    projection partials, from the `mix_out_proj` that wrote x."""
     x_ATSD, phi_PC, alpha, bias_P = _op_inputs(x_ATSD, phi_PC, alpha_3, bias_P)
     y_ATD, raw_ATP, rstd = pre_mix_norm(
         x_ATSD, phi_PC, alpha, bias_P, weight_D, norm_eps, eps, rms_eps, *(proj or (None, None))
@@ -173,14 +170,11 @@ def hyper_entry(
     # made here, on the current stream (allocations on `stream` inside a CUDA graph capture
     # invalidated the capture in a GPU test)
     _, post, res, _, _, _ = _coefficients_fake(x_ATSD, phi_PC, True, False)
-
-    def rest() -> None:
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(x_ATSD.device))
-        with torch.cuda.stream(stream):  # None: the current stream
-            post_res(raw_ATP, rstd, alpha, bias_P, post, res, iters, eps)
-
-    return x_ATSD, y_ATD, post, res, rest
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x_ATSD.device))
+    with torch.cuda.stream(stream):  # None: the current stream
+        post_res(raw_ATP, rstd, alpha, bias_P, post, res, iters, eps)
+    return x_ATSD, y_ATD, post, res, (raw_ATP, rstd, alpha, bias_P)
 
 
 def contract_norm(
