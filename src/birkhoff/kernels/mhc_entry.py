@@ -46,7 +46,6 @@ from birkhoff.kernels.mhc import (
 from birkhoff.kernels.mhc_configs import CONFIG
 from birkhoff.kernels.mhc_mix import cdiv, check_inputs, pad_streams, pow2
 from birkhoff.kernels.mhc_phi import padded_logits, projection_phi
-from birkhoff.kernels.ops import INTERPRET
 
 REST_WARPS = 8  # coeff_rest: a decode step's 256 tokens on one SM
 ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
@@ -125,7 +124,7 @@ def mix_out_proj(
         cfg = _exit_launch(N, D)
         M.mix_out_proj[(cdiv(N, cfg["BN"]), sq.shape[0])](
             x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
-            S=S, PP=PP, SPLIT=y_ATSD.dtype == torch.bfloat16, EMU=INTERPRET, **cfg,
+            S=S, PP=PP, **cfg,
         )  # fmt: skip
     return y_ATSD, part, sq
 

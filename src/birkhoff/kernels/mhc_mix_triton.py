@@ -24,8 +24,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from birkhoff.kernels.mhc_triton import dot_bf16, split3
-
 
 @triton.jit
 def _tile(N, D, BN: tl.constexpr, BD: tl.constexpr):
@@ -97,16 +95,12 @@ def mix_out_fwd(
 def mix_out_proj(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
     S: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    SPLIT: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """mix_out_fwd's arithmetic, and over the new streams as stored, the next sublayer's
     coefficient projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T with exact
-    products, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials with
-    the D blocks as splits. SPLIT (bf16 streams): each phi tile is split in registers into
-    three bf16 terms (`split3`), each a bf16 tensor-core dot with the stream as stored, as
-    coeff_proj's bf16x3; else an fp32 dot in IEEE precision (FMAs, not tensor cores: the
-    slower form on the H200, docs/results.md). Narrow tiles (BD 16):
-    the dots stay few registers, and decode's few tokens still get ~D / 16 programs."""
+    fp32 products, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
+    with the D blocks as splits. Narrow tiles (BD 16): the dots stay few registers, and
+    decode's few tokens still get ~D / 16 programs."""
     n64, n_ok, d, ok = _tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -120,14 +114,7 @@ def mix_out_proj(
         sq += tl.sum(yv * yv, axis=1)
         phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
                         mask=(d < D)[:, None], other=0.0)  # fmt: skip
-        if SPLIT:
-            ys = yv.to(tl.bfloat16)  # the stored bf16 values, exactly
-            hi, mid, lo = split3(phi_t)
-            raw = dot_bf16(ys, hi, raw, EMU)
-            raw = dot_bf16(ys, mid, raw, EMU)
-            raw = dot_bf16(ys, lo, raw, EMU)
-        else:
-            raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
+        raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
     split = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + split, sq, mask=n_ok)
