@@ -7,10 +7,9 @@ Legend: N tokens (a decode step's rows), S streams, D model dim.
 Device microseconds per call: COPIES distinct stream tensors and phis called in turn inside one
 CUDA graph, replayed (`common.graph_seconds`), so each call reads its streams from HBM as a
 decode step's sublayers do. Besides CONFIG's tile, `--variants` times other tiles of the fused
-kernel ("BNxBDxWARPS[xDOT]", DOT 0: the projection without tl.dot; read from
-`mhc_configs.CONFIG` at each call). The entry that reads the exit's partials
-(`mhc_entry.pre_mix_norm`: the coefficients' sum, mix in and RMSNorm) is timed the same way,
-at CONFIG's launch and at `--entry-variants` ("PROGRAMSxWARPS").
+kernel ("BNxBDxWARPS", read from `mhc_configs.CONFIG` at each call). The entry that reads the
+exit's partials (`mhc_entry.pre_mix_norm`: the coefficients' sum, mix in and RMSNorm) is timed
+the same way, at CONFIG's launch and at `--entry-variants` ("PROGRAMSxWARPS").
 
   python benchmarks/mhc_exit.py                       # N 1, 64, 256 at the h200-small trunk
   python benchmarks/mhc_exit.py --variants 16x16x2,32x16x4 --entry-variants 256x4
@@ -64,10 +63,8 @@ def measure(
     default = dict(CONFIG["mix_out_proj"])
     for name in ["config", *variants]:
         if name != "config":
-            bn, bd, warps, dot = (*(int(v) for v in name.split("x")), 1)[:4]
-            CONFIG["mix_out_proj"] = dict(
-                default, BN=bn, BD=bd, num_warps=warps, PROGRAMS=1 << 30, DOT=dot
-            )
+            bn, bd, warps = (int(v) for v in name.split("x"))
+            CONFIG["mix_out_proj"] = dict(default, BN=bn, BD=bd, num_warps=warps, PROGRAMS=1 << 30)
         try:
             out[f"{name}_us"] = graph_seconds(fused, 1, replays=replays) * 1e6 / COPIES
         finally:
@@ -97,7 +94,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", default="1,64,256")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--variants", default="16x16x2,32x16x4", help="BNxBDxWARPS[xDOT] exit tiles")
+    p.add_argument("--variants", default="16x16x2,32x16x4", help="BNxBDxWARPS exit tiles")
     p.add_argument("--entry-variants", default="256x4,64x4", help="PROGRAMSxWARPS entries")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")

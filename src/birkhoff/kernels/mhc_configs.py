@@ -50,8 +50,8 @@ CONFIG: dict[str, Launch] = {
     ),
     "mix": dict(BN=8, BD=128, num_warps=4),
     # the engine's exit: BN doubles (to 32 at most) while the grid has over PROGRAMS programs;
-    # DOT 1: the projection as tl.dot (BN >= 16). The entry after it: ~PROGRAMS programs.
-    "mix_out_proj": dict(BN=16, BD=16, num_warps=4, PROGRAMS=384, DOT=1),
+    # BN >= 16 (tl.dot). The entry after it: ~PROGRAMS programs.
+    "mix_out_proj": dict(BN=16, BD=16, num_warps=4, PROGRAMS=384),
     "pre_mix_norm": dict(PROGRAMS=256, num_warps=4),
 }
 

@@ -94,14 +94,13 @@ def mix_out_fwd(
 @triton.jit
 def mix_out_proj(
     x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
-    S: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, DOT: tl.constexpr,
+    S: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """mix_out_fwd's arithmetic, and over the new streams as stored, the next sublayer's
     coefficient projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T with exact
     fp32 products, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
-    with the D blocks as splits. DOT: the projection as an fp32 tl.dot in IEEE precision
-    (BN >= 16); else as a [BN, BD, PP] product summed over BD (any BN). Narrow tiles (BD 16):
-    few registers, and decode's few tokens still get ~D / 16 programs."""
+    with the D blocks as splits. Narrow tiles (BD 16): the dots stay few registers, and
+    decode's few tokens still get ~D / 16 programs."""
     n64, n_ok, d, ok = _tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -115,10 +114,7 @@ def mix_out_proj(
         sq += tl.sum(yv * yv, axis=1)
         phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
                         mask=(d < D)[:, None], other=0.0)  # fmt: skip
-        if DOT:
-            raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
-        else:
-            raw += tl.sum(yv[:, :, None] * phi_t[None, :, :], axis=1)
+        raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
     split = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
     tl.store(sq_ptr + split, sq, mask=n_ok)
