@@ -25,7 +25,8 @@ projection sums in another order than coeff_proj (raw logits within 2e-6 of thei
 compiled, a kernel's reductions may run in another order (H_res within ~1e-7, the normed input
 within two ulps at its scale; tests/kernels).
 coeff_rest holds a token a thread (`mhc_rest_triton`): its tiled form's cross-thread sums made
-it long enough to slow the GEMMs it ran beside (docs/results.md).
+it long enough to slow the GEMMs it ran beside; a step's tokens run as one program of up to
+REST_WARPS warps, on one SM (docs/results.md).
 """
 
 from __future__ import annotations

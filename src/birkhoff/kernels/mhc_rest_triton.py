@@ -10,7 +10,9 @@ sums crossed threads at every one of the Sinkhorn's 2 t_max - 1 normalisations: 
 that kernel ran ~12 us a call on 8 programs of 4 warps, and the GEMMs beside it took ~85 us a
 step longer than without it (docs/results.md). Here a token's S*S entries are a tuple of [BN]
 vectors, one element per thread: every row and column sum is a chain of adds in one thread's
-registers (no shuffles, no shared memory), and one warp serves 32 tokens.
+registers (no shuffles, no shared memory), and one warp serves 32 tokens; a decode step's
+tokens (up to 256) run as one program of up to 8 warps (`mhc_entry.REST_WARPS`), one SM taken
+from the GEMM beside it where eight one-warp programs took eight (docs/results.md).
 
 Values: coeff_tail's arithmetic (`mhc_triton._post_res`) operation for operation: H_post = 2
 sigmoid; H_res = the row softmax, + eps, a column normalisation, then (t_max - 1) x (row,
