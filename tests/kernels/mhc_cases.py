@@ -321,8 +321,8 @@ def check_exit(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None
     another order: raw logits within 2e-6 and rstd 1e-6 of their scale; so H_pre moves by
     ~1e-7 and the normed input within 1e-5 of its scale, or two of its dtype's ulps there).
     The next phi is served (the engine's layout), an fp32 weight with all 24 bits in use; the
-    projection's products are exact (bf16 streams: phi as three bf16 terms), so each logit is
-    within 5e-7 of sum |y phi| from the fp64 product (1e-6 to 1e-5 when a term is dropped)."""
+    projection is an fp32 dot of the streams as stored in IEEE precision, so each logit is
+    within 5e-7 of sum |y phi| from the fp64 product (a phi cut to 16 bits gives 1e-6 to 1e-5)."""
     from birkhoff.kernels import mhc, mhc_entry
 
     inp = make_inputs(c, device, dtype)

@@ -112,9 +112,10 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
             entry,
             {"num_warps": int(mhc_configs.CONFIG["pre_mix_norm"]["num_warps"])},
         )
-        if P > S:  # coeff_rest as the engine launches it: a token a thread, one warp
-            rest = dict(S=S, SP=SP, P=P, BN=32)
-            usage[f"coeff_rest/{P}"] = compile_for_h200(R.coeff_rest, types, rest, {"num_warps": 1})
+        if P > S:  # coeff_rest as the engine launches it at batch 256
+            const, launch = split(mhc_entry._rest_launch(256))
+            rest = dict(S=S, SP=SP, P=P) | const
+            usage[f"coeff_rest/{P}"] = compile_for_h200(R.coeff_rest, types, rest, launch)
         const, launch = split(mhc._launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc._launch("grad_x", x, S))

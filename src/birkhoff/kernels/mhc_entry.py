@@ -147,12 +147,19 @@ def post_res(
 ) -> None:  # fmt: skip
     """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
     N, S = rstd.numel(), post_ATS.shape[-1]
-    if N:  # a token a thread, up to REST_WARPS warps a program (few SMs taken from F)
-        warps = min(REST_WARPS, pow2(cdiv(N, 32)))
-        R.coeff_rest[(cdiv(N, 32 * warps),)](
+    if N:
+        cfg = _rest_launch(N)
+        R.coeff_rest[(cdiv(N, cfg["BN"]),)](
             raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S,
-            SP=pad_streams(S), P=raw_ATP.shape[-1], BN=32 * warps, num_warps=warps,
+            SP=pad_streams(S), P=raw_ATP.shape[-1], **cfg,
         )  # fmt: skip
+
+
+def _rest_launch(N: int) -> dict[str, int]:
+    """coeff_rest's launch for N tokens: a token a thread, up to REST_WARPS warps a program
+    (a decode step's tokens on one SM, taken from the sublayer beside it)."""
+    warps = min(REST_WARPS, pow2(cdiv(N, 32)))
+    return dict(BN=32 * warps, num_warps=warps)
 
 
 def hyper_entry(
