@@ -21,6 +21,8 @@ GEMV_CASES = [((1,), 24, 40, False), ((1, 1), 7, 300, True), ((1, 1, 1), 2001, 6
               ((1, 3), 33, 1030, False), ((2, 2), 96, 700, True),
               ((1, 4, 1), 3, 5, True)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# block-fp8 W: GEMV_CASES' edge shapes and square block grids (3 x 3, 2 x 2)
+FP8_CASES = [*GEMV_CASES[:4], ((2,), 300, 260, False), ((4,), 256, 256, True)]
 
 
 def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
@@ -43,6 +45,32 @@ def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
         assert ((got - ref).abs() / ref.abs().clamp(min=1)).max().item() <= tol
 
 
+def check_gemv_fp8(device: str, case: tuple, dtype: torch.dtype) -> None:
+    """Block-fp8 W (codes and 128 x 128 block scales, as the engine's quantize="fp8" stores it)
+    against F.linear of the same W dequantized in fp32: the kernel decodes the codes exactly as
+    the dequantization does, so only the sum's order differs (the bf16 tolerance of
+    check_gemv for bf16 / fp16 x)."""
+    from birkhoff.engine.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+
+    lead, N, K, with_bias = case
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(*lead, K, generator=g).to(device, dtype)
+    q, s = quantize_fp8_blockwise(torch.randn(N, K, generator=g) / K**0.5)
+    q, s = q.to(device), s.to(device)
+    b = torch.randn(N, generator=g).to(device, dtype) if with_bias else None
+    y = gemv(x, q, b, s)
+    w = dequantize_fp8_blockwise(q, s, block=128, dtype=torch.float32)
+    want = F.linear(x.float(), w, None if b is None else b.float())
+    assert y.shape == (*lead, N) and y.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2.0**-6
+    err = ((y.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+    assert err <= tol, (err, tol)
+    # a wrong block's scale (the scales transposed where the grid is square) must show
+    if s.shape[0] == s.shape[1] > 1 and not torch.equal(s, s.t()):
+        bad = gemv(x, q, b, s.t().contiguous())
+        assert ((bad.float() - want).abs() / want.abs().clamp(min=1)).max().item() > tol
+
+
 def check_gemv_rejects(device: str) -> None:
     w = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match="not 1 to 4 rows of 8 features"):
@@ -51,3 +79,10 @@ def check_gemv_rejects(device: str) -> None:
         gemv(torch.randn(0, 8, device=device), w, None)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         gemv(torch.randn(1, 4, device=device), w.t(), None)
+    q = w.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv missing"):
+        gemv(torch.randn(1, 8, device=device), q, None)
+    with pytest.raises(ValueError, match="scale_inv given"):
+        gemv(torch.randn(1, 8, device=device), w, None, torch.ones(1, 1, device=device))
+    with pytest.raises(ValueError, match=r"expected \(1, 1\) float32"):
+        gemv(torch.randn(1, 8, device=device), q, None, torch.ones(2, 1, device=device))

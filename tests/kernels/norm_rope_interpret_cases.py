@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from gemv_cases import DTYPES, GEMV_CASES, check_gemv, check_gemv_rejects
+from gemv_cases import DTYPES, FP8_CASES, GEMV_CASES, check_gemv, check_gemv_fp8, check_gemv_rejects
 from mhc_model_cases import check_engine_tokens
 from norm_rope_cases import (
     NORM_CASES,
@@ -139,3 +139,9 @@ def test_gemv_matches_linear(case: tuple, dtype: torch.dtype) -> None:
 
 def test_gemv_rejects_more_rows_and_strided_rows() -> None:
     check_gemv_rejects("cpu")
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_block_fp8_matches_the_dequantized_weight(case: tuple, dtype: torch.dtype) -> None:
+    check_gemv_fp8("cpu", case, dtype)

@@ -4,9 +4,11 @@ Every projection reads its weight from the engine's weight dict by name, so repl
 (a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
 fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is computed in fp8 by
 `fp8_matmul.fp8_linear`; elsewhere (CPU: the reference) it is dequantized to the activation dtype
-first. With fused kernels on, an unquantized matmul of a few activation rows is `kernels.gemv`
+first. With fused kernels on, a matmul of a few activation rows is `kernels.gemv`
 where `gemv.serves` says it is faster (one row: batch-1 decode; 2-4 rows of the output and down
-projections: verify and draft passes), as cuBLAS's tiles left most of the GPU idle there. Left
+projections: verify and draft passes), as cuBLAS's tiles left most of the GPU idle there; a
+block-fp8 weight of 1-4 rows goes there too, decoded from its codes in the kernel (one byte a
+weight read, the activation as it is). Left
 out: caching the dequantized weights between calls. `weight` is the lookup with dequantization
 for callers that do their own matmuls (the stacked experts of engine/moe.py).
 """
@@ -41,12 +43,13 @@ def linear(
     w = weights[name]
     b = None if bias is None else weights[bias]
     scale_inv = weights.get(name + SCALE_SUFFIX)
-    if scale_inv is None:
-        if use_fused(x, kernels) and w.stride(-1) == 1:
-            from birkhoff.kernels import gemv
+    if use_fused(x, kernels) and w.stride(-1) == 1:
+        from birkhoff.kernels import gemv
 
-            if gemv.serves(x.numel() // x.shape[-1], *w.shape):
-                return gemv.gemv(x, w, b)  # type: ignore[no-any-return]
+        N, K = w.shape
+        if gemv.serves(x.numel() // K, N, K, fp8=scale_inv is not None):
+            return gemv.gemv(x, w, b, scale_inv, FP8_BLOCK)  # type: ignore[no-any-return]
+    if scale_inv is None:
         return F.linear(x, w, b)
     if fp8_matmul.supported(x):
         out = fp8_matmul.fp8_linear(x, w, scale_inv)

@@ -8,8 +8,10 @@ and 2 to MAX_ROWS rows where N <= K (a verify or draft pass of a few positions t
 output and down projections): y = x W^T + b like F.linear, accumulated in fp32 and rounded once
 (cuBLAS also accumulates in fp32; the sums' order differs). Other shapes stay with cuBLAS: on the
 H200 its kernels were as fast from two rows on where N > K (the fused qkv and gate/up), and from
-MAX_ROWS + 1 rows on (docs/results.md). Launch: BN output features a program, K in BK-wide
-tiles (`CONFIG`, per row class).
+MAX_ROWS + 1 rows on (docs/results.md). Block-fp8 weights (the engine's quantize="fp8") are
+decoded in the kernel from their e4m3 codes and block scales: the few-row matmul streams one
+byte a weight, and it serves up to MAX_ROWS rows at any shape. Launch: BN output features a
+program, K in BK-wide tiles (`CONFIG`, per row class).
 """
 
 from __future__ import annotations
@@ -25,16 +27,27 @@ MAX_ROWS = 4
 CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
 
 
-def serves(rows: int, N: int, K: int) -> bool:
-    """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring)."""
-    return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K)
+def serves(rows: int, N: int, K: int, fp8: bool = False) -> bool:
+    """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring); `fp8`:
+    W is block-fp8, whose other matmul (quantize the activation, then the fp8 GEMM) is two
+    launches, so gemv serves up to MAX_ROWS rows at any shape."""
+    return rows == 1 or (2 <= rows <= MAX_ROWS and (N <= K or fp8))
 
 
 @torch.library.custom_op("birkhoff::gemv", mutates_args=())
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def gemv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, scale_inv: Tensor | None = None,
+    block: int = 128,
+) -> Tensor:  # fmt: skip
     """x @ weight^T + bias for x of 1 to MAX_ROWS rows ([..., K]), weight [N, K] with contiguous
-    rows, bias [N] or None; the result [..., N] in x's dtype."""
-    check_inputs(x, weight, *(() if bias is None else (bias,)))
+    rows, bias [N] or None; the result [..., N] in x's dtype. `scale_inv`: weight holds block-fp8
+    codes (float8_e4m3fn) and this is their fp32 scale per `block` x `block` block
+    ([ceil(N / block), ceil(K / block)], `engine.fp8.quantize_fp8_blockwise`'s layout):
+    W = codes * scale, decoded in the kernel, one byte of W read per weight."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    check_inputs(x, *(t for t in (bias, scale_inv) if t is not None), *(() if fp8 else (weight,)))
+    if weight.device != x.device:
+        raise ValueError(f"gemv: weight on {weight.device}, x on {x.device}")
     N, K = weight.shape
     rows = x.numel() // max(K, 1)
     if x.shape[-1] != K or not 1 <= rows <= MAX_ROWS:
@@ -43,16 +56,27 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         )
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight rows must be contiguous, strides {weight.stride()}")
+    if fp8 != (scale_inv is not None):
+        raise ValueError(f"gemv: a {weight.dtype} weight with scale_inv "
+                         f"{'given' if scale_inv is not None else 'missing'}: block-fp8 codes "
+                         "(float8_e4m3fn) take their scales, other weights none")  # fmt: skip
+    blocks = (-(-N // block), -(-K // block))
+    if scale_inv is not None and (tuple(scale_inv.shape) != blocks
+                                  or scale_inv.dtype != torch.float32):  # fmt: skip
+        raise ValueError(f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
+                         f"[{N}, {K}] fp8 weight, expected {blocks} float32")  # fmt: skip
     y = x.new_empty((*x.shape[:-1], N))
     cfg = CONFIG["one" if rows == 1 else "few"]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
+    s = weight if scale_inv is None else scale_inv.contiguous()  # unread without scales
     G.gemv[(-(-N // bn),)](
-        x.contiguous(), weight, weight if bias is None else bias, y, rows, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, RB=pow2(rows), BN=bn, BK=bk, num_warps=cfg["num_warps"],
+        x.contiguous(), weight, weight if bias is None else bias, s, y, rows, N, K,
+        weight.stride(0), s.stride(0), HAS_BIAS=bias is not None, SCALED=fp8, SB=block,
+        RB=pow2(rows), BN=bn, BK=bk, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y
 
 
 @gemv.register_fake
-def _(x, weight, bias):  # type: ignore[no-untyped-def]
+def _(x, weight, bias, scale_inv=None, block=128):  # type: ignore[no-untyped-def]
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

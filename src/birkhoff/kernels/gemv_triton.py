@@ -7,7 +7,10 @@ W [N, K] row-major (nn.Linear's layout).
 (contiguous along K: coalesced), multiplies them by the matching [RB, BK] tile of x and sums
 along K in fp32, then adds the bias and rounds once to y's dtype. No tensor cores: a few rows
 have next to nothing to reuse a weight for, so the kernel is a stream over W, and small BN
-spreads that stream over many programs (N / BN). At batch 1 cuBLAS's kernels took 4-7.5 us a
+spreads that stream over many programs (N / BN). SCALED: W holds block-fp8 codes (e4m3, one
+fp32 scale per [SB, SB] block, the engine's quantize="fp8" layout), decoded in registers, so the
+stream is one byte a weight; the activation stays as given (no activation quantization: at a
+few rows there is no tensor-core product to feed). At batch 1 cuBLAS's kernels took 4-7.5 us a
 projection on the h200-small shapes streamed from HBM, ~0.5-1.3 TB/s (benchmarks/gemv.py,
 docs/results.md).
 """
@@ -20,8 +23,9 @@ import triton.language as tl
 
 @triton.jit
 def gemv(
-    x_ptr, w_ptr, b_ptr, y_ptr, R, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, R, N, K, stride_w, stride_s,
+    HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, RB)
@@ -33,7 +37,11 @@ def gemv(
         k_ok = k < K
         x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [RB, BK]  # fmt: skip
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(rows + k[None, :], mask=w_ok, other=0.0)
+        if SCALED:  # e4m3 codes: weight = code * the scale of its [SB, SB] block, in fp32
+            block = (n // SB).to(tl.int64)[:, None] * stride_s + (k // SB)[None, :]
+            w = w.to(tl.float32) * tl.load(s_ptr + block, mask=w_ok, other=0.0)
         # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
         # loads); the [BN, BK] form of the one-row sum ran 1.2-2x slower on the H200
         acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
