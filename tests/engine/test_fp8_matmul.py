@@ -83,16 +83,8 @@ hopper = pytest.mark.skipif(
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_on_gpu(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_on_gpu(dtype: torch.dtype) -> None:
     check_kernel("cuda", dtype, SHAPES)
-    gen = torch.Generator().manual_seed(1)
-    for N, X, Y in SHAPES:  # the activation quantized in the GEMM == quantized first
-        x = torch.randn(N, X, generator=gen).to("cuda", dtype)
-        q, scale_inv = quantize_fp8_blockwise(torch.randn(Y, X, generator=gen).cuda())
-        fused = fp8_linear(x, q, scale_inv)
-        with monkeypatch.context() as m:
-            m.setitem(fp8_matmul.CONFIG, "QUANT", False)
-            assert torch.equal(fused, fp8_linear(x, q, scale_inv)), (N, X, Y)
     x = torch.randn(37, 300, device="cuda")
     for got, want in zip(quantize_activation_cuda(x), quantize_activation(x), strict=True):
         assert torch.equal(got.float(), want.float())  # bit-identical codes and scales

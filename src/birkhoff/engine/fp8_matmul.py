@@ -90,50 +90,40 @@ def fp8_linear_reference(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
 
 
 def fp8_linear(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
-    """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv), computed in fp8; x's dtype out.
-    On CUDA the kernel quantizes the activation itself (`quantize_activation_cuda`'s arithmetic
-    on each [BLOCK_N, 128] tile it loads: one launch, no codes round trip); under the Triton
-    interpreter, whose float -> e4m3 cast is wrong at binade boundaries, `quantize_activation`
-    runs first."""
+    """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv), computed in fp8; x's dtype out."""
     assert triton is not None and q_YX.dtype == FP8_DTYPE, q_YX.dtype
     assert q_YX.is_contiguous() and scale_inv.is_contiguous()
-    x_NX = x.reshape(-1, x.shape[-1]).contiguous()
+    x_NX = x.reshape(-1, x.shape[-1])
     N, X = x_NX.shape
     Y = q_YX.shape[0]
-    fuse = x.is_cuda and CONFIG["QUANT"]
-    if fuse:
-        a_NX, a_scale_NG = x_NX, x_NX  # the scales are computed in the kernel
-    else:
-        a_NX, a_scale_NG = (quantize_activation_cuda if x.is_cuda else quantize_activation)(x_NX)
+    qa_NX, a_scale_NG = (quantize_activation_cuda if x.is_cuda else quantize_activation)(x_NX)
     y_NY = torch.empty(N, Y, dtype=x.dtype, device=x.device)
     block_m = 16 if N <= 16 else 32 if N <= 32 else 64
-    block_y = int(CONFIG["BLOCK_Y"])
+    block_y = CONFIG["BLOCK_Y_FEW"] if N <= 64 else CONFIG["BLOCK_Y"]
     grid = (triton.cdiv(N, block_m), triton.cdiv(Y, block_y))
     _fp8_gemm[grid](
-        a_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
-        a_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0), _AMAX_FLOOR, 1.0 / FP8_MAX,
-        BLOCK_N=block_m, BLOCK_Y=block_y, BLOCK_X=FP8_BLOCK, QUANT=fuse,
-        num_warps=int(CONFIG["num_warps"]), num_stages=int(CONFIG["num_stages"]),
+        qa_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
+        qa_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0),
+        BLOCK_N=block_m, BLOCK_Y=block_y, BLOCK_X=FP8_BLOCK, num_warps=4, num_stages=3,
     )  # fmt: skip
     return y_NY.view(*x.shape[:-1], Y)
 
 
-# BLOCK_Y output features a program (divides FP8_BLOCK: one weight scale per tile); QUANT: the
-# activation quantized inside the GEMM (CUDA). Read at every call: benchmarks/fp8_matmul.py
-# sweeps it (H200 figures in docs/results.md)
-CONFIG: dict[str, int | bool] = dict(BLOCK_Y=64, num_warps=4, num_stages=3, QUANT=True)
+# output features a program (dividing FP8_BLOCK), up to 64 activation rows and above: narrow
+# tiles give few rows more programs (H200, `python benchmarks/fp8_matmul.py`, docs/results.md:
+# a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); read at every call
+CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32}
 
 if triton is not None:
 
     @triton.jit
     def _fp8_gemm(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
-        stride_a, stride_a_scale, stride_w_scale, amax_floor, inv_max,
-        BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr, QUANT: tl.constexpr,
+        stride_a, stride_a_scale, stride_w_scale,
+        BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
     ):  # fmt: skip
-        """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales. QUANT:
-        a_ptr is the unquantized activation, each tile quantized here as `_quantize_rows` does
-        (a_scale_ptr unread)."""
+        """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
+        divides the 128-row weight block: one weight scale per tile)."""
         pid_n, pid_y = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
@@ -148,13 +138,7 @@ if triton is not None:
                         mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
             w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
                         mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
-            if QUANT:
-                a = a.to(tl.float32)
-                a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), amax_floor) * inv_max
-                recip = tl.math.div_rn(tl.full((BLOCK_N,), 1.0, tl.float32), a_scale)
-                a = (a * recip[:, None]).to(w_ptr.dtype.element_ty)
-            else:
-                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
+            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
             acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
         tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),

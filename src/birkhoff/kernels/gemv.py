@@ -68,6 +68,8 @@ def gemv(
     y = x.new_empty((*x.shape[:-1], N))
     cfg = CONFIG["one" if rows == 1 else "few"]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
+    if fp8 and (block % bn or block & (block - 1)):
+        raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")
     s = weight if scale_inv is None else scale_inv.contiguous()  # unread without scales
     G.gemv[(-(-N // bn),)](
         x.contiguous(), weight, weight if bias is None else bias, s, y, rows, N, K,
