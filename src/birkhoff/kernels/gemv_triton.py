@@ -22,41 +22,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _partial(x_ptr, rows, r, r_ok, n_ok, k, K):
-    """sum over the columns k of x[r, k] * W[n, k] in fp32, [RB, BN] (W's rows at `rows`)."""
-    k_ok = k < K
-    x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                other=0.0)  # [RB, BK]  # fmt: skip
-    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
-    # loads); the [BN, BK] form of the one-row sum ran 1.2-2x slower on the H200
-    return tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-
-
-@triton.jit
 def gemv(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, R, N, K, stride_w, stride_s,
     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """SCALED: W is e4m3 codes, one fp32 scale per [SB, SB] block; BN divides SB, so a program's
-    rows share one row of blocks and each SB-wide run of K one scalar scale, applied to that
-    run's sum (a scale per element cost a load per weight: slower than bf16)."""
+    rows share one row of blocks and a K tile's scales are one [BK] vector (a scale loaded per
+    weight, or one per SB-wide run with its own sum, was slower)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, RB)
     n_ok, r_ok = n < N, r < R
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([RB, BN], dtype=tl.float32)
-    SUB: tl.constexpr = BK if BK < SB else SB
     scales = s_ptr + ((tl.program_id(0) * BN) // SB).to(tl.int64) * stride_s
+    acc = tl.zeros([RB, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if SCALED:
-            for j in tl.static_range(BK // SUB):
-                kj = k0 + j * SUB
-                part = _partial(x_ptr, rows, r, r_ok, n_ok, kj + tl.arange(0, SUB), K)
-                acc += part * tl.load(scales + kj // SB, mask=kj < K, other=0.0)
-        else:
-            acc += _partial(x_ptr, rows, r, r_ok, n_ok, k0 + tl.arange(0, BK), K)
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [RB, BK]  # fmt: skip
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALED:  # weight = code * its block's scale, in fp32
+            w = w.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
+        # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
+        # loads); the [BN, BK] form of the one-row sum ran 1.2-2x slower on the H200
+        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
     out = y_ptr + r[:, None] * N + n[None, :]
