@@ -145,3 +145,40 @@ def test_gemv_rejects_more_rows_and_strided_rows() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_block_fp8_matches_the_dequantized_weight(case: tuple, dtype: torch.dtype) -> None:
     check_gemv_fp8("cpu", case, dtype)
+
+
+def test_gemv_serves_few_rows_of_small_weights_only() -> None:
+    from birkhoff.kernels.gemv import FEW_ROWS_WEIGHTS, serves
+
+    assert serves(1, 14336, 4096) and serves(4, 768, 2048) and serves(2, 768, 768)
+    assert not serves(4, 2304, 768) and not serves(5, 768, 2048)  # N > K; over MAX_ROWS rows
+    assert not serves(4, 4096, 4096) and FEW_ROWS_WEIGHTS < 4096 * 4096
+
+
+def test_fp8_engine_decodes_through_the_fp8_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-fp8 engine's one-row steps read the e4m3 codes in `gemv` (no dequantized copy of
+    W) and give the tokens and log-probs of the same engine on its dequantizing path."""
+    from mhc_model_cases import build_model, tiny_config
+
+    from birkhoff.engine import Engine, SamplingParams, fp8_matmul
+    from birkhoff.kernels import gemv as gemv_module
+
+    model = build_model(tiny_config(mtp_depth=0, mhc_kernels="triton", dim=128), "cpu")
+    engine = Engine.from_model(model, device="cpu", dtype=torch.float32, quantize="fp8")
+    scaled = []
+    real = gemv_module.gemv
+
+    def spy(x, w, b, scale_inv=None, block=128):  # type: ignore[no-untyped-def]
+        scaled.append(scale_inv is not None and w.dtype == torch.float8_e4m3fn)
+        return real(x, w, b, scale_inv, block)
+
+    monkeypatch.setattr(gemv_module, "gemv", spy)
+    # the other matmuls dequantize in both runs (the fp8 GEMM would round the activation to e4m3)
+    monkeypatch.setattr(fp8_matmul, "supported", lambda x: False)
+    params = SamplingParams(4)
+    out = engine.generate([[1, 2, 3]], params)
+    assert scaled and all(scaled)
+    monkeypatch.setattr(gemv_module, "serves", lambda *shape: False)  # dequantize, then matmul
+    ref = engine.generate([[1, 2, 3]], params)
+    assert out[0].tokens == ref[0].tokens
+    assert max(abs(a - b) for a, b in zip(out[0].logprobs, ref[0].logprobs, strict=True)) < 1e-4

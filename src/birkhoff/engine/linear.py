@@ -7,7 +7,7 @@ fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) it is compute
 first. With fused kernels on, a matmul of a few activation rows is `kernels.gemv`
 where `gemv.serves` says it is faster (one row: batch-1 decode; 2-4 rows of the output and down
 projections: verify and draft passes), as cuBLAS's tiles left most of the GPU idle there; a
-block-fp8 weight of 1-4 rows goes there too, decoded from its codes in the kernel (one byte a
+block-fp8 weight goes there on the same rule, decoded from its codes in the kernel (one byte a
 weight read, the activation as it is). Left
 out: caching the dequantized weights between calls. `weight` is the lookup with dequantization
 for callers that do their own matmuls (the stacked experts of engine/moe.py).
@@ -46,8 +46,7 @@ def linear(
     if use_fused(x, kernels) and w.stride(-1) == 1:
         from birkhoff.kernels import gemv
 
-        N, K = w.shape
-        if gemv.serves(x.numel() // K, N, K, fp8=scale_inv is not None):
+        if gemv.serves(x.numel() // x.shape[-1], *w.shape):
             return gemv.gemv(x, w, b, scale_inv, FP8_BLOCK)  # type: ignore[no-any-return]
     if scale_inv is None:
         return F.linear(x, w, b)

@@ -8,9 +8,9 @@ and 2 to MAX_ROWS rows where N <= K (a verify or draft pass of a few positions t
 output and down projections): y = x W^T + b like F.linear, accumulated in fp32 and rounded once
 (cuBLAS also accumulates in fp32; the sums' order differs). Other shapes stay with cuBLAS: on the
 H200 its kernels were as fast from two rows on where N > K (the fused qkv and gate/up), and from
-MAX_ROWS + 1 rows on (docs/results.md). Block-fp8 weights (the engine's quantize="fp8") are
-decoded in the kernel from their e4m3 codes and block scales: the few-row matmul streams one
-byte a weight, and it serves up to MAX_ROWS rows at any shape. Launch: BN output features a
+MAX_ROWS + 1 rows on, and for 2-4 rows of a W larger than FEW_ROWS_WEIGHTS (docs/results.md).
+Block-fp8 weights (the engine's quantize="fp8") are decoded in the kernel from their e4m3 codes
+and block scales (no activation quantization), on the same rule. Launch: BN output features a
 program, K in BK-wide tiles (`CONFIG`, per row class).
 """
 
@@ -23,15 +23,18 @@ from birkhoff.kernels import gemv_triton as G
 from birkhoff.kernels.mhc_mix import check_inputs, pow2
 
 MAX_ROWS = 4
+# 2-4 rows: the largest W served (N * K). Measured on the H200: gemv ahead of cuBLAS and the fp8
+# GEMM at 768 x 2048 (1.6M), 1.5-2.3x behind them at 4096 x 4096 (16.8M) and wider; between, not
+# measured
+FEW_ROWS_WEIGHTS = 1 << 22
 # H200 sweeps (docs/results.md): one row, and 2 to MAX_ROWS rows
 CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
 
 
-def serves(rows: int, N: int, K: int, fp8: bool = False) -> bool:
-    """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring); `fp8`:
-    W is block-fp8, whose other matmul (quantize the activation, then the fp8 GEMM) is two
-    launches, so gemv serves up to MAX_ROWS rows at any shape."""
-    return rows == 1 or (2 <= rows <= MAX_ROWS and (N <= K or fp8))
+def serves(rows: int, N: int, K: int) -> bool:
+    """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring), bf16
+    or block-fp8 (whose other matmul is the activation's quantization and the fp8 GEMM)."""
+    return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K and N * K <= FEW_ROWS_WEIGHTS)
 
 
 @torch.library.custom_op("birkhoff::gemv", mutates_args=())
