@@ -7,8 +7,8 @@ gate/up and down) and each row count, device microseconds per call of: cuBLAS on
 weight (what a bf16 engine runs at 5+ rows); `kernels.gemv` on the bf16 weight (1-4 rows);
 `kernels.gemv` on the fp8 codes and block scales (1-4 rows); the fp8 GEMM (quantize the
 activation, then `fp8_matmul._fp8_gemm`) at each BLOCK_Y of --block-y (`fp8_matmul.CONFIG`);
-and torch's blockwise `F.scaled_mm` (1x128
-activation scales, 128x128 weight scales) where this torch build runs it. COPIES distinct
+and torch's blockwise `F.scaled_mm` (1x128 activation scales, 128x128 weight scales) where
+this torch build runs it. COPIES distinct
 weights are called in turn inside one CUDA graph, replayed (`common.graph_seconds`), so each
 call streams its weight from HBM as a decode step's layers do. Errors are against the fp32
 product of the dequantized weight (`fp8_matmul.fp8_linear_reference` for the fp8 GEMMs, whose
@@ -80,8 +80,8 @@ def measure(rows: int, N: int, K: int, args: argparse.Namespace) -> dict[str, An
     finally:
         FM.CONFIG.clear()
         FM.CONFIG.update(default)
-    try:
-        err = (scaled_mm(x, *fp8[0]).float() - through_e4m3).abs().max().item()
+    try:  # cuBLAS refuses some shapes and row counts: record why
+        scaled_mm(x, *fp8[0])
         fns["scaled_mm"] = (lambda q, s: scaled_mm(x, q, s), fp8, through_e4m3)
     except (RuntimeError, ValueError) as e:
         out["scaled_mm_error"] = str(e).splitlines()[0][:200]
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "calls": {},
                               "config": dict(FM.CONFIG)}  # fmt: skip
     layer: dict[int, dict[str, float]] = {}  # a layer's four projections, summed
-    print(f"{'rows':>4} {'N x K':>10} " + " ".join(f"{k:>22}" for k in ("us of each",)))
+    print(f"{'rows':>4} {'N x K':>10}  us per call of each matmul")
     with torch.no_grad():
         for rows in args.rows:
             for shape in args.shapes.split(","):

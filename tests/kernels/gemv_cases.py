@@ -25,6 +25,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP8_CASES = [*GEMV_CASES[:4], ((2,), 300, 260, False), ((4,), 256, 256, True)]
 
 
+def rel_err(y: torch.Tensor, want: torch.Tensor) -> float:
+    """max |y - want| / max(1, |want|), y rounded as returned."""
+    return ((y.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+
+
 def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
     lead, N, K, with_bias = case
     g = torch.Generator().manual_seed(N * K)
@@ -35,14 +40,14 @@ def check_gemv(device: str, case: tuple, dtype: torch.dtype) -> None:
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert y.shape == (*lead, N) and y.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2.0**-6
-    err = ((y.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+    err = rel_err(y, want)
     assert err <= tol, (err, tol)
     if K > 1:  # a column slice of W: its rows are strided, each row still contiguous
         half, cut = x[..., : K // 2], w[:, : K // 2]
         got, ref = gemv(half, cut, b).float(), F.linear(half.float(), cut.float())
         if b is not None:
             ref = ref + b.float()
-        assert ((got - ref).abs() / ref.abs().clamp(min=1)).max().item() <= tol
+        assert rel_err(got, ref) <= tol
 
 
 def check_gemv_fp8(device: str, case: tuple, dtype: torch.dtype) -> None:
@@ -63,12 +68,12 @@ def check_gemv_fp8(device: str, case: tuple, dtype: torch.dtype) -> None:
     want = F.linear(x.float(), w, None if b is None else b.float())
     assert y.shape == (*lead, N) and y.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2.0**-6
-    err = ((y.float() - want).abs() / want.abs().clamp(min=1)).max().item()
+    err = rel_err(y, want)
     assert err <= tol, (err, tol)
     # a wrong block's scale (the scales transposed where the grid is square) must show
     if s.shape[0] == s.shape[1] > 1 and not torch.equal(s, s.t()):
         bad = gemv(x, q, b, s.t().contiguous())
-        assert ((bad.float() - want).abs() / want.abs().clamp(min=1)).max().item() > tol
+        assert rel_err(bad, want) > tol
 
 
 def check_gemv_rejects(device: str) -> None:

@@ -68,11 +68,11 @@ def gemv(
                                   or scale_inv.dtype != torch.float32):  # fmt: skip
         raise ValueError(f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
                          f"[{N}, {K}] fp8 weight, expected {blocks} float32")  # fmt: skip
-    y = x.new_empty((*x.shape[:-1], N))
     cfg = CONFIG["one" if rows == 1 else "few"]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     if fp8 and (block % bn or block & (block - 1)):
         raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")
+    y = x.new_empty((*x.shape[:-1], N))
     s = weight if scale_inv is None else scale_inv.contiguous()  # unread without scales
     G.gemv[(-(-N // bn),)](
         x.contiguous(), weight, weight if bias is None else bias, s, y, rows, N, K,
