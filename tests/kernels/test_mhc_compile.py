@@ -15,6 +15,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,13 @@ def compile_for_h200(
     fn: object, types: dict[str, str], consts: dict[str, object], launch: dict[str, int]
 ) -> tuple[int, int]:
     """Compile `fn` for sm_90 with these constexprs and launch options -> ptxas_usage."""
+    return ptxas_usage(compiled_for_h200(fn, types, consts, launch).asm["ptx"])
+
+
+def compiled_for_h200(
+    fn: object, types: dict[str, str], consts: dict[str, object], launch: dict[str, int]
+) -> Any:
+    """The kernel `fn` compiled for sm_90 (its .asm holds the TTGIR and the PTX)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -58,8 +66,7 @@ def compile_for_h200(
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     opts = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    return ptxas_usage(kernel.asm["ptx"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def split(cfg: dict[str, int | str]) -> tuple[dict[str, object], dict[str, int]]:
@@ -177,3 +184,54 @@ def test_sweep_variants_compile_for_sm90_without_spills(
     for key, entry in mhc_configs.SWEEP[variant].items():
         monkeypatch.setitem(mhc_configs.CONFIG, key, entry)
     assert_no_spills(kernel_usage(4, "fp32" if variant.split("/")[0].endswith("_fp32") else "bf16"))
+
+
+def reductions_across_warps(ttgir: str) -> list[tuple[int, str]]:
+    """(axis, layout) of each `tt.reduce` in a TTGIR whose axis is split across warps (the
+    reduction then goes through shared memory and a block barrier)."""
+    warps = dict(
+        re.findall(r"^(#\w+) = #ttg\.blocked<\{.*warpsPerCTA = \[([\d, ]+)\]", ttgir, re.M)
+    )
+    lines, found = ttgir.splitlines(), []
+    for i, line in enumerate(lines):
+        if (m := re.search(r'"tt\.reduce"\(.*<\{axis = (\d+) : i32\}>', line)) is None:
+            continue
+        axis = int(m.group(1))
+        for close in lines[i : i + 16]:  # the op's type signature closes its region
+            if (t := re.search(r"\}\) : \(tensor<[^,]*, (#\w+)>", close)) is not None:
+                split = warps.get(t.group(1), "1").split(",")
+                if axis < len(split) and int(split[axis]) > 1:
+                    found.append((axis, t.group(1)))
+                break
+    return found
+
+
+def test_sinkhorn_sums_stay_inside_a_warp() -> None:
+    # The Sinkhorn's row and column sums (axes 1 and 2 of its [tokens, S, S] state) run 40 times
+    # a token. A layout with a token's rows across warps (Triton 3.6 picked one for a 3-D load)
+    # made each a shared-memory round trip with barriers: coeff_tail 29.7 -> 10.3 us a call once
+    # the state was loaded as [tokens, S*S] and reshaped. Only the sums over the projection's
+    # splits (axis 0) may cross warps. Triton 3.9 lays out the old 3-D form well too; under the
+    # device's 3.6 (`pip install --target DIR triton==3.6.0`, PYTHONPATH=DIR) it fails this test.
+    import torch
+
+    from birkhoff.kernels import mhc
+    from birkhoff.kernels import mhc_triton as K
+
+    x, P = torch.empty(0, dtype=torch.bfloat16), 24
+    SP, PP = mhc._pads(4, P)
+    types = {n: "*fp32" for n in ("part_ptr", "sq_ptr", "raw_ptr", "alpha_ptr", "bias_ptr",
+             "pre_ptr", "post_ptr", "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr",
+             "ga_ptr", "graw_ptr", "coef_ptr", "scr_ptr")}  # fmt: skip
+    types |= dict(N="i32", C="i32", SPLITS="i32", iters="i32", norm_eps="fp32", hc_eps="fp32")
+    consts = dict(S=4, SP=SP, P=P, WITH_RES=True)
+    tail, tail_launch = split(mhc._launch("coeff_tail", x, 4))
+    bwd, bwd_launch = split(mhc._launch("coeff_bwd", x, 4))
+    kernels = {
+        "coeff_tail": (K.coeff_tail, consts | tail | dict(PP=PP, KB=4), tail_launch),
+        "coeff_bwd": (K.coeff_bwd, consts | bwd, bwd_launch),
+    }
+    for name, (fn, const, launch) in kernels.items():
+        ttgir = compiled_for_h200(fn, types, const, launch).asm["ttgir"]
+        crossing = [r for r in reductions_across_warps(ttgir) if r[0] > 0]
+        assert not crossing, f"{name}: reductions (axis, layout) split across warps: {crossing}"
