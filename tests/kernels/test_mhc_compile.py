@@ -75,6 +75,20 @@ def split(cfg: dict[str, int | str]) -> tuple[dict[str, object], dict[str, int]]
     return {k: v for k, v in cfg.items() if k not in launch and k != "TOKENS"}, launch
 
 
+def kernel_types(dtype: str, floats: str = "fp32") -> dict[str, str]:
+    """Triton type of each argument name of the mHC kernels, for `dtype` streams and `floats`
+    float arguments."""
+    f32, xt = "*fp32", f"*{dtype}"
+    ptrs = ("phit_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
+            "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
+            "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr", "part_ptr", "sq_ptr")  # fmt: skip
+    types = {n: f32 for n in ptrs}
+    types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gr_ptr")}
+    types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
+    types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
+    return types | dict(norm_eps=floats, hc_eps=floats)
+
+
 def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[int, int]]:
     """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG;
     `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
@@ -88,14 +102,7 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
 
     x = torch.empty(0, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     f32, xt = "*fp32", f"*{dtype}"
-    ptrs = ("phit_ptr", "phi_ptr", "raw_ptr", "alpha_ptr", "bias_ptr", "pre_ptr", "post_ptr",
-            "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr", "ga_ptr", "graw_ptr",
-            "coef_ptr", "scr_ptr", "gphi_ptr", "h_ptr", "gh_ptr", "part_ptr", "sq_ptr")  # fmt: skip
-    types = {n: f32 for n in ptrs}
-    types |= {n: xt for n in ("x_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gr_ptr")}
-    types |= dict(f_ptr=xt, gf_ptr=xt, N="i32", C="i32", D="i32", S="i32", TOKENS="i32")
-    types |= dict(iters="i32", CHUNK="i32", SPLITS="i32")
-    types |= dict(norm_eps=floats, hc_eps=floats)
+    types = kernel_types(dtype, floats)
     usage = {}
     for P in (S * S + 2 * S, S):
         SP, PP = mhc._pads(S, P)
@@ -220,10 +227,7 @@ def test_sinkhorn_sums_stay_inside_a_warp() -> None:
 
     x, P = torch.empty(0, dtype=torch.bfloat16), 24
     SP, PP = mhc._pads(4, P)
-    types = {n: "*fp32" for n in ("part_ptr", "sq_ptr", "raw_ptr", "alpha_ptr", "bias_ptr",
-             "pre_ptr", "post_ptr", "res_ptr", "rstd_ptr", "gpre_ptr", "gpost_ptr", "gres_ptr",
-             "ga_ptr", "graw_ptr", "coef_ptr", "scr_ptr")}  # fmt: skip
-    types |= dict(N="i32", C="i32", SPLITS="i32", iters="i32", norm_eps="fp32", hc_eps="fp32")
+    types = kernel_types("bf16")
     consts = dict(S=4, SP=SP, P=P, WITH_RES=True)
     tail, tail_launch = split(mhc._launch("coeff_tail", x, 4))
     bwd, bwd_launch = split(mhc._launch("coeff_bwd", x, 4))

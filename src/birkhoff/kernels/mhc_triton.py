@@ -104,14 +104,6 @@ def _sinkhorn_bwd(a, g, valid, iters, eps, scr_ptr, n64, n_ok, SP: tl.constexpr)
 
 
 @triton.jit
-def _res_valid(n_ok, S: tl.constexpr, SP: tl.constexpr):
-    """[BN, SP, SP] mask of the real entries of each token's S x S matrix."""
-    i = tl.arange(0, SP)[None, :, None]
-    j = tl.arange(0, SP)[None, None, :]
-    return n_ok[:, None, None] & (i < S) & (j < S)
-
-
-@triton.jit
 def _res_slots(ptr, n64, n_ok, stride, S: tl.constexpr, SP: tl.constexpr):
     """Pointers [BN, SP * SP] to each token's S x S row-major entries at ptr + n * stride, and
     the mask of the real ones (padded slots and tokens out of range off)."""
@@ -124,14 +116,15 @@ def _res_slots(ptr, n64, n_ok, stride, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def _res_load(ptr, n64, n_ok, stride, S: tl.constexpr, SP: tl.constexpr):
-    """[BN, SP, SP]: the S x S entries of each token (`_res_slots`), zero in padded slots.
-    Loaded as [BN, SP * SP] and reshaped, so that a token's entries lie in one warp: a 3-D
-    load can come out with the rows across warps (Triton 3.6 does that at 32 tokens and 4
-    warps), and then each column sum of the Sinkhorn goes through shared memory and barriers
-    (coeff_tail 29.7 -> 10.3 us a call at 16k tokens, coeff_bwd 30.3 -> 22.0 on the H200)."""
+    """([BN, SP, SP] S x S entries of each token (`_res_slots`), zero in padded slots; the
+    [BN, SP, SP] mask of the real ones). Loaded as [BN, SP * SP] and reshaped, so that a token's
+    entries lie in one warp: a 3-D load can come out with the rows across warps (Triton 3.6
+    does that at 32 tokens and 4 warps), and then each column sum of the Sinkhorn goes through
+    shared memory and barriers (coeff_tail 29.7 -> 10.3 us a call at 16k tokens, coeff_bwd
+    30.3 -> 22.0 on the H200)."""
     slots, ok = _res_slots(ptr, n64, n_ok, stride, S, SP)
     v = tl.load(slots, mask=ok, other=0.0)
-    return tl.reshape(v, [v.shape[0], SP, SP])
+    return tl.reshape(v, [v.shape[0], SP, SP]), tl.reshape(ok, [v.shape[0], SP, SP])
 
 
 @triton.jit
@@ -300,9 +293,8 @@ def _post_res(
 ):  # fmt: skip
     """H_post = 2 sigmoid and H_res = Sinkhorn of the BN tokens' raw logits times rstd."""
     _post(raw_ptr, alpha_ptr, bias_ptr, post_ptr, n64, n_ok, rstd, S, SP, P)
-    valid = _res_valid(n_ok, S, SP)
-    z_res = _res_load(raw_ptr + 2 * S, n64, n_ok, P, S, SP)
-    b_res = _res_load(bias_ptr + 2 * S, n64, n_ok, 0, S, SP)
+    z_res, valid = _res_load(raw_ptr + 2 * S, n64, n_ok, P, S, SP)
+    b_res, _ = _res_load(bias_ptr + 2 * S, n64, n_ok, 0, S, SP)
     a_res = tl.load(alpha_ptr + 2) * (z_res * rstd[:, None, None]) + b_res
     m = _state_before(a_res, valid, 2 * iters, hc_eps)
     _res_store(res_ptr, m, n64, n_ok, S * S, S, SP)
@@ -346,12 +338,11 @@ def coeff_bwd(
         tl.store(ga_row + S + s, ga, mask=vec_ok)
         tl.store(graw_row + S + s, ga * alpha * rstd[:, None], mask=vec_ok)
         g_rstd += tl.sum(ga * alpha * raw, axis=1)
-        valid = _res_valid(n_ok, S, SP)
         alpha = tl.load(alpha_ptr + 2)
-        raw3 = _res_load(raw_ptr + 2 * S, n64, n_ok, P, S, SP)
-        b_res = _res_load(bias_ptr + 2 * S, n64, n_ok, 0, S, SP)
+        raw3, valid = _res_load(raw_ptr + 2 * S, n64, n_ok, P, S, SP)
+        b_res, _ = _res_load(bias_ptr + 2 * S, n64, n_ok, 0, S, SP)
         a_res = alpha * (raw3 * rstd[:, None, None]) + b_res
-        g = _res_load(gres_ptr, n64, n_ok, S * S, S, SP)
+        g, _ = _res_load(gres_ptr, n64, n_ok, S * S, S, SP)
         ga3 = _sinkhorn_bwd(a_res, g, valid, iters, hc_eps, scr_ptr, n64, n_ok, SP)
         _res_store(ga_ptr + 2 * S, ga3, n64, n_ok, P, S, SP)
         _res_store(graw_ptr + 2 * S, ga3 * alpha * rstd[:, None, None], n64, n_ok, P, S, SP)
