@@ -5,8 +5,9 @@ Legend: A rows, T query tokens per row (1: a plain decode step), H = G heads (h2
 
 For each shape and each variant of `kernels.attention.CONFIG` (keys per block BN, num_warps,
 num_stages), of `kernels.attention.HEADS` (the T = 1 kernel's kv heads a program HB, key columns
-a block BN, num_warps, num_stages; HB 0 sends T = 1 to the CONFIG kernel) and of the split size
-SPLIT, times --calls back-to-back calls of the op captured in
+a block BN, num_warps, num_stages, timed at every row count; HB 0 sends T = 1 to the CONFIG
+kernel) and of the split size SPLIT, times --calls back-to-back calls of the op (with --rope,
+`decode_attention_rope`, what a decode step runs) captured in
 one CUDA graph (device time only: a decode step replays it from a graph too; timing the Python
 launches instead measures the host at small shapes), checks the output against the default's,
 and reports the live K/V bytes per second against a device copy measured in the same run.
@@ -47,25 +48,35 @@ def device_seconds(fn: Callable[[], Any], calls: int, device: str) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def shape_inputs(A: int, ctx: int, heads: int, device: str) -> dict[str, Any]:
+def shape_inputs(A: int, ctx: int, heads: int, device: str, rope: bool) -> dict[str, Any]:
+    """A decode step's attention inputs; with rope, `decode_attention_rope`'s (the token's raw
+    q, k and v and its angles: the kernel rotates them and writes k and v into the cache)."""
     N, K = max(128, 1 << (ctx - 1).bit_length()), 64
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(A, heads, N, K, generator=g, device=device, dtype=dt)
-    return dict(
+    inp = dict(
         q_ATHK=torch.randn(A, 1, heads, K, generator=g, device=device, dtype=dt), k_BGNK=k,
         v_BGNK=torch.randn(k.shape, generator=g, device=device, dtype=dt),
         rows_A=torch.arange(A, device=device, dtype=torch.int32),
         positions_AT=torch.full((A, 1), ctx - 1, device=device, dtype=torch.int64),
         valid_AT=torch.ones((A, 1), device=device, dtype=torch.bool), limit=N,
     )  # fmt: skip
+    if not rope:
+        return inp
+    new = torch.randn(2, A, 1, heads, K, generator=g, device=device, dtype=dt)
+    theta = torch.rand(A, 1, K // 2, generator=g, device=device, dtype=torch.float64) * ctx
+    return dict(
+        q_A1HK=inp["q_ATHK"], k_A1GK=new[0], v_A1GK=new[1], cos_A1K2=theta.cos(),
+        sin_A1K2=theta.sin(), k_BGNK=k, v_BGNK=inp["v_BGNK"], rows_A=inp["rows_A"],
+        positions_A1=inp["positions_AT"], valid_A1=inp["valid_AT"], limit=N,
+    )  # fmt: skip
 
 
 def _set(config: dict[str, int], heads: dict[str, int], split: int) -> None:
-    attention.CONFIG.clear()
-    attention.CONFIG.update(config)
-    attention.HEADS.clear()
-    attention.HEADS.update(heads)
+    for table, values in ((attention.CONFIG, config), (attention.HEADS, heads)):
+        table.clear()
+        table.update(values)
     attention.SPLIT = split
 
 
@@ -76,16 +87,17 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     off = dict(default[1], HB=0)
     variants = [(dict(BN=bn, num_warps=w, num_stages=st), off, split)
                 for split in args.splits for bn, w, st in tiles]  # fmt: skip
-    variants += [(default[0], dict(HB=hb, BN=bn, num_warps=w, num_stages=st), split)
+    variants += [(default[0], dict(HB=hb, BN=bn, num_warps=w, num_stages=st, PAIRS=0), split)
                  for split in args.splits for hb in args.hb for bn, w, st in tiles
                  if bn % hb == 0]  # fmt: skip
+    op = attention.decode_attention_rope if args.rope else attention.decode_attention
     rows = []
     for shape in args.shapes.split(","):
         A, ctx = (int(v) for v in shape.split(":"))
-        inp = shape_inputs(A, ctx, args.heads, args.device)
+        inp = shape_inputs(A, ctx, args.heads, args.device, args.rope)
         live_bytes = 2 * A * args.heads * ctx * 64 * inp["k_BGNK"].element_size()
-        ref = attention.decode_attention(**inp)
-        call = functools.partial(attention.decode_attention, **inp)
+        ref = op(**inp)
+        call = functools.partial(op, **inp)
         for config, heads, split in [default, *variants]:
             _set(config, heads, split)
             try:
@@ -96,8 +108,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(dict(A=A, ctx=ctx, split=split, **config, heads=heads, us=seconds * 1e6,
                              diff=diff, of_copy=live_bytes / seconds / copy,
                              default=(config, heads, split) == default))  # fmt: skip
-    return dict(copy_gb_s=copy / 1e9, default=dict(default[0], HEADS=default[1], SPLIT=default[2]),
-                rows=rows)  # fmt: skip
+    return dict(
+        copy_gb_s=copy / 1e9,
+        rope=args.rope,
+        rows=rows,
+        default=dict(default[0], HEADS=default[1], SPLIT=default[2]),
+    )
 
 
 def print_sweep(result: dict[str, Any], top: int) -> None:
@@ -128,6 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hb", type=ints, default=[2, 4, 8], help="T = 1 kernel's heads a program")
     p.add_argument("--splits", type=ints, default=[256, 512])
     p.add_argument("--calls", type=int, default=20, help="op calls per timed CUDA graph")
+    p.add_argument("--rope", action="store_true",
+                   help="time decode_attention_rope (a decode step's op) instead")  # fmt: skip
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -47,7 +47,7 @@ def test_decode_attention_rejects_a_bad_heads_tile(monkeypatch: pytest.MonkeyPat
     q, k = torch.randn(2, 1, 4, 16), torch.randn(3, 4, 32, 16)
     rows, pos, valid = torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).bool()
     for hb, bn in ((3, 48), (4, 2)):
-        monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn))
+        monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=hb, BN=bn, PAIRS=0))
         with pytest.raises(ValueError, match=f"HB {hb} must be a power of two dividing BN {bn}"):
             attention.decode_attention(q, k, k, rows, pos, valid, 8)
 
@@ -96,11 +96,13 @@ def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> 
 
 
 def test_decode_attention_rope_with_the_heads_kernel_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With `attention.HEADS` on, H = G rows take rope_cache then the several-heads kernel."""
+    """With `attention.HEADS` on at every row count, H = G rows rotate and write their token in
+    the several-heads kernel (a padded row, several splits)."""
     from birkhoff.kernels import attention
 
-    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=2, BN=32))
-    check_attention_rope("cpu", CASES[0])
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, HB=2, BN=32, PAIRS=0))
+    for case in (CASES[0], CASES[7]):
+        check_attention_rope("cpu", case)
 
 
 def test_decode_attention_rope_rejects_bad_shapes() -> None:

@@ -47,3 +47,28 @@ def test_decode_attention_heads_kernel(
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] == 1], ids=case_id)
 def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> None:
     check_attention_rope("cuda", case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 1 and c[2] == c[3]], ids=case_id)
+def test_decode_attention_rope_through_the_heads_kernel(
+    case: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from birkhoff.kernels import attention
+
+    monkeypatch.setattr(attention, "HEADS", dict(attention.HEADS, PAIRS=0))
+    check_attention_rope("cuda", case)
+    check_limit_independent("cuda", case)
+
+
+def test_the_heads_kernel_serves_large_batches_by_default() -> None:
+    """h200-small's 12 heads at 128 rows: the default launch takes the several-heads kernel,
+    with and without rope; below PAIRS (row, kv head) pairs, or with GQA or several tokens a
+    row, the per-head kernel."""
+    from birkhoff.kernels.attention import HEADS, heads_kernel
+
+    assert heads_kernel(128, 1, 12, 12) and HEADS["PAIRS"] <= 128 * 12
+    assert not any(heads_kernel(*s) for s in ((64, 1, 12, 12), (256, 3, 12, 12), (256, 1, 12, 4)))
+    case = (torch.bfloat16, 1, 12, 12, 64, 129, 300, 130)  # 128 rows
+    check_decode_attention("cuda", case)
+    check_limit_independent("cuda", case)
+    check_attention_rope("cuda", case)

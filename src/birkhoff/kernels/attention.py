@@ -32,12 +32,14 @@ MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in regi
 # 4 at every decode shape timed; 32 keys a block beat 64 by 9-12% at 88 positions, 1% at 400,
 # and lose 3% at 2000)
 CONFIG = dict(BN=32, num_warps=2, num_stages=3)
-# `decode_attention_heads`' launch, for T = 1 and H = G: HB kv heads a program, BN key columns
-# a block (BN / HB keys of each head); HB 0: that case takes decode_attention_fwd too. Off:
-# at 256 rows HB 4 / BN 64 / 2 stages is 11% faster (20.9 vs 23.6 us at 88 positions), at 1 row
-# 2x slower (`decode_attention-cuda-heads-dot.json`), and choosing by batch would make a row's
-# bits depend on its batch (a graph's padded bucket vs an eager step)
-HEADS = dict(HB=0, BN=64, num_warps=2, num_stages=2)
+# `decode_attention_heads`' launch, for T = 1 and H = G from PAIRS (row, kv head) pairs a call
+# up: HB kv heads a program, BN key columns a block (BN / HB keys of each head); HB 0: off. With
+# rope, h200-small's 12 heads, graph-timed us a layer (`decode_attention-cuda-rope.json`): 256
+# rows at 88 positions 21.7 against the per-head kernel's 25.9, 400 positions 82.3 / 86.9, 128
+# rows 10.2 / 12.9; below ~100 rows it has too few programs (64 rows: 8.1 / 7.0, 1 row: 7.2 /
+# 4.1). The choice depends on the batch, never on `limit`, so a CUDA graph's key bucket does not
+# change a row's bits (its padded batch bucket may, as the GEMMs' tiles do)
+HEADS = dict(HB=2, BN=32, num_warps=1, num_stages=2, PAIRS=1536)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
@@ -72,12 +74,6 @@ def decode_attention_rope(
     if cos_A1K2.shape != (A, 1, K // 2) or sin_A1K2.shape != cos_A1K2.shape:
         raise ValueError(f"decode_attention_rope: angles {tuple(cos_A1K2.shape)} / "
                          f"{tuple(sin_A1K2.shape)}, expected {(A, 1, K // 2)}")  # fmt: skip
-    if _heads_kernel(1, H // G):  # the several-heads kernel has no rope prologue
-        from birkhoff.kernels.norm_rope import rope_cache
-
-        q_A1HK = rope_cache(q_A1HK, k_A1GK, v_A1GK, cos_A1K2, sin_A1K2, k_BGNK, v_BGNK, rows_A,
-                            positions_A1)  # fmt: skip
-        return decode_attention(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit)
     check_inputs(k_A1GK, v_A1GK)
     if k_A1GK.stride(-1) != 1 or v_A1GK.stride(-1) != 1:
         raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
@@ -85,9 +81,9 @@ def decode_attention_rope(
     return _attend(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit, rope)
 
 
-def _heads_kernel(T: int, R: int) -> bool:
-    """Whether `decode_attention_heads` serves T tokens a row with R query heads a kv head."""
-    return T == R == 1 and bool(HEADS["HB"])
+def heads_kernel(A: int, T: int, H: int, G: int) -> bool:
+    """Whether `decode_attention_heads` serves A rows of T tokens with H query and G kv heads."""
+    return T == 1 and H == G and bool(HEADS["HB"]) and HEADS["PAIRS"] <= A * G
 
 
 def _attend(
@@ -116,20 +112,23 @@ def _attend(
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
     precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
-    if A * T and _heads_kernel(T, R) and rope is None:
-        launch = dict(HEADS)
+    if A * T and heads_kernel(A, T, H, G):
+        k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
+        launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
             raise ValueError(f"decode_attention: HEADS HB {hb} must be a power of two dividing "
                              f"BN {launch['BN']}")  # fmt: skip
         AT.decode_attention_heads[(A * -(-G // hb), P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
+            k_new, v_new, cos, sin,
             G, K, limit, K**-0.5, P, positions_AT.stride(0), valid_AT.stride(0),
             q_ATHK.stride(0), q_ATHK.stride(2),
             k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
             v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
+            k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
             SPLIT=SPLIT, HB=hb, BM=max(16, pow2(hb)), BK=BK, DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, **launch,
+            DOT_FP32=INTERPRET, ROPE=rope is not None, **launch,
         )  # fmt: skip
     elif A * T:
         k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope

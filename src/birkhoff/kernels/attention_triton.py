@@ -18,6 +18,9 @@ P splits of the key range.
   one program per (row, HB kv heads, split): query row m is head m's, and a block's BN key
   columns are BN / HB keys of each head, masked to their own head's row (a block-diagonal
   score tile), so one dot serves HB heads where the per-head kernel's 16-row tile holds one.
+  With ROPE it rotates the token's q and k and stores k and v as the other kernel does, but
+  takes the token's own key from registers as the first key of its split (the walk stops
+  before the position), so no load waits for those stores and no barrier is needed.
 - `decode_attention_combine`: one program per (row, token, head) merges the splits' partials in
   split order.
 Split boundaries sit at fixed key positions and a split past a row's end contributes exact
@@ -163,14 +166,18 @@ def decode_attention_fwd(
 @triton.jit
 def decode_attention_heads(
     q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr,
     G, K, limit, scale, P, sp_a, sr_a, sq_a, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
+    skn_a, skn_g, svn_a, svn_g,
     SPLIT: tl.constexpr, HB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     s = tl.program_id(1)
     blocks = tl.cdiv(G, HB)
     a, g0 = pid // blocks, (pid % blocks) * HB
+    a64 = a.to(tl.int64)
     qpos = tl.load(pos_ptr + a * sp_a)
     real = tl.load(valid_ptr + a * sr_a) != 0
     lo = s * SPLIT
@@ -181,20 +188,41 @@ def decode_attention_heads(
     m_ok = (m < HB) & (h_m < G)
     d = tl.arange(0, BK)
     d_ok = d < K
-    q_off = a.to(tl.int64) * sq_a + h_m[:, None] * sq_h + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ok = m_ok[:, None] & d_ok[None, :]
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    if ROPE:  # the token's own key, rotated here, is the first key of the split holding it
+        cos, sin = _angles(cos_ptr, sin_ptr, a64, d, K // 2)
+        cos, sin = cos[None, :], sin[None, :]
+        q = _rotated(q_ptr, a64 * sq_a + h_m[:, None] * sq_h, d[None, :], q_ok, K // 2, cos, sin)
+        q = q.to(q_ptr.dtype.element_ty)
+        k_new = _rotated(kn_ptr, a64 * skn_a + h_m[:, None] * skn_g, d[None, :], q_ok, K // 2,
+                         cos, sin).to(k_ptr.dtype.element_ty)  # fmt: skip
+        v_new = tl.load(vn_ptr + a64 * svn_a + h_m[:, None] * svn_g + d[None, :], mask=q_ok,
+                        other=0.0).to(v_ptr.dtype.element_ty)  # fmt: skip
+        first = real & (qpos < limit) & (qpos // SPLIT == s)
+        writes = tl.where(first, q_ok, False)  # (the interpreter's scalar & gives an int mask)
+        h64, pos64 = h_m[:, None].to(tl.int64), qpos.to(tl.int64)
+        tl.store(k_ptr + row * sk_b + h64 * sk_g + pos64 * sk_n + d[None, :], k_new, writes)
+        tl.store(v_ptr + row * sv_b + h64 * sv_g + pos64 * sv_n + d[None, :], v_new, writes)
+        hi = tl.minimum(hi, qpos)  # the cached keys before it: no load waits for the store
+        own_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
+        m_i = tl.where(first, own_score, m_i)
+        l_i = tl.where(first, 1.0, l_i)
+        acc = tl.where(first, v_new.to(tl.float32), acc)
+    else:
+        q_off = a64 * sq_a + h_m[:, None] * sq_h + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=q_ok, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    row = tl.load(rows_ptr + a).to(tl.int64)
     c = tl.arange(0, BN)  # key column: head g0 + c // (BN // HB), key c % (BN // HB)
     h_c = g0 + c // (BN // HB)
     own = h_m[:, None] == h_c[None, :]
     k_base = k_ptr + row * sk_b + h_c.to(tl.int64) * sk_g
     v_base = v_ptr + row * sv_b + h_c.to(tl.int64) * sv_g
 
-    acc = tl.zeros([BM, BK], dtype=tl.float32)
-    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BM], dtype=tl.float32)
     for start in range(lo, hi, BN // HB):
         n = start + c % (BN // HB)
         n_ok = (n < hi) & (h_c < G)
