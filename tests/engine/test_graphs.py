@@ -310,3 +310,34 @@ def test_speculative_steps_sync_only_to_read_their_result(
     out = engine.generate(PROMPTS, params)
     assert len(ahead) >= 6 and sum(ahead) >= 3 and all(c.tokens for c in out)
     assert engine.graphs is not None and engine.graphs.num_captured == captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_heads_attention_gives_the_per_head_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The several-heads decode attention (which large batches take), on here at every batch:
+    plain steps give the per-head kernel's greedy tokens in fp32 (speculative steps run their
+    drafts and verify over several positions a row, which it does not serve)."""
+    from birkhoff.kernels import attention
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(num_kv_heads=4)).cuda()  # H = G: the kernel's case
+    params = [SamplingParams(6 + 5 * i) for i in range(len(PROMPTS))]
+    launched, kernel = [], attention.AT.decode_attention_heads
+
+    class Counted:  # the kernel, counting its launches
+        def __getitem__(self, grid: tuple[int, int]) -> Callable[..., None]:
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention.AT, "decode_attention_heads", Counted())
+    runs = []
+    for heads in (dict(attention.HEADS, PAIRS=0), dict(attention.HEADS, HB=0)):
+        monkeypatch.setattr(attention, "HEADS", heads)
+        engine = Engine.from_model(model, device="cuda", dtype=torch.float32, max_batch_size=4)
+        runs.append(engine.generate(PROMPTS, params))
+    assert launched  # (the per-head run launches it never: HB 0)
+    assert [c.tokens for c in runs[0]] == [c.tokens for c in runs[1]]
+    torch.testing.assert_close(
+        [c.logprobs for c in runs[0]], [c.logprobs for c in runs[1]], rtol=0, atol=1e-4
+    )
