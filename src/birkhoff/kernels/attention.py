@@ -112,8 +112,8 @@ def _attend(
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
     BK = max(16, pow2(K))
     precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
+    k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
     if A * T and heads_kernel(A, T, H, G):
-        k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
         launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
@@ -131,7 +131,6 @@ def _attend(
             DOT_FP32=INTERPRET, ROPE=rope is not None, **launch,
         )  # fmt: skip
     elif A * T:
-        k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
         AT.decode_attention_fwd[(A * G, P)](
             q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
             k_new, v_new, cos, sin,
