@@ -1,6 +1,7 @@
 """Shared checks of the fused per-row sampling (kernels/sample.py) against the eager functions
 of engine/sampling.py and rng.sample_inverse_cdf, run in the Triton interpreter on CPU
-(rng_interpret_cases.py) and on CUDA (test_rng_gpu.py).
+(rng_interpret_cases.py) and on CUDA (test_rng_gpu.py); and the fused sampling site of a plain
+decode step (`sample_next`) against the launches it replaces.
 
 Tolerances (kernels/sample_triton.py): logp within 1e-5 of max(1, |logp|), probs within the
 same relative error of logp (|dp| ~ p |dlogp|; GPU exp and log are approximations);
@@ -13,15 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from birkhoff.engine.rng import sample_inverse_cdf
-from birkhoff.engine.sampling import RowSampling, sample_tokens
-from birkhoff.kernels.sample import sample_rows
+from birkhoff.engine.rng import SAMPLE, TAGS, RequestRandom, sample_inverse_cdf
+from birkhoff.engine.sampling import RowSampling, SamplingParams, SamplingTable, sample_tokens
+from birkhoff.kernels.sample import sample_next, sample_rows
 
 # (rows, vocab, logits dtype, logit scale): one block and several, V no power of two, V = 1,
 # peaked rows (large scale: most mass on one token) and flat ones
 SAMPLE_CASES = [(5, 37, torch.float32, 3.0), (3, 2500, torch.bfloat16, 3.0),
                 (4, 1, torch.float32, 1.0), (6, 1024, torch.float16, 1.0),
                 (8, 300, torch.float32, 40.0), (0, 16, torch.float32, 1.0)]  # fmt: skip
+NEXT_CASES = [(37, torch.float32), (2500, torch.bfloat16), (1, torch.float32)]  # V, dtype
 
 
 def _inputs(device: str, N: int, V: int, dtype: torch.dtype, scale: float) -> RowSampling:
@@ -76,3 +78,46 @@ def check_sample_edges(device: str) -> None:
         sample_rows(logits, rs.temperature_A, rs.greedy_A, u[:1])
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         sample_rows(logits[None], rs.temperature_A, rs.greedy_A, u)
+
+
+def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
+    """The fused sampling site of a plain step equals the launches it replaces: the rows'
+    parameters gathered from the tables, RequestRandom's uniforms, sample_rows, the token
+    written at n + 1 (trash where not live) and (token, logp) as fp64: the same bits; and the
+    eager functions' tokens, logp within sample_rows' tolerance."""
+    dev = torch.device(device)
+    R, N, trash = 6, 40, 39
+    g = torch.Generator().manual_seed(V)
+    params = [SamplingParams(4, temperature=t) for t in (0.0, 0.7, 1.3, 0.0, 1.0, 0.3)]
+    table = SamplingTable(R, dev)
+    table.assign(list(range(R)), params)
+    keys = [RequestRandom.request_key(seed=5, request=r) for r in range(R)]
+    rngs = {k: RequestRandom(R, dev, k) for k in ("triton", "eager")}
+    for rng in rngs.values():
+        rng.assign(list(range(R)), keys)
+    rows = torch.tensor([4, 0, 2, 5, 1], device=dev)
+    n = torch.tensor([3, 0, 17, 38, 9], device=dev)
+    live = torch.tensor([True, True, True, False, True], device=dev)
+    logits = (torch.randn(len(rows), V, generator=g) * 3).to(dev, dtype)
+    tokens = torch.randint(0, V, (R, N), generator=g).to(dev)
+    expected_tokens = tokens.clone()
+    out = sample_next(logits, rows, n, live, table.params.temperature_A, table.params.greedy_A,
+                      rngs["triton"].keys_R, tokens, trash, TAGS, SAMPLE)  # fmt: skip
+    rs = table.select(rows, filtered=False)
+    for kernels, rng in rngs.items():
+        logp, _, token = sample_tokens(logits, rs, rng.uniform(rows, n, SAMPLE), kernels)
+        assert token is not None
+        lp = logp.gather(-1, token[:, None]).squeeze(-1).double()
+        assert torch.equal(out[:, 0], token.double()), kernels
+        if kernels == "triton":
+            assert torch.equal(out[:, 1], lp)
+            expected_tokens[rows, torch.where(live, n + 1, trash)] = token
+            assert torch.equal(tokens, expected_tokens)
+        else:
+            assert _largest((out[:, 1] - lp).abs() / lp.abs().clamp(min=1)) <= 1e-5
+    with pytest.raises(ValueError, match="rows must be a contiguous 1-D torch.int64"):
+        sample_next(logits, rows.int(), n, live, table.params.temperature_A,
+                    table.params.greedy_A, rngs["triton"].keys_R, tokens, trash, TAGS, SAMPLE)  # fmt: skip
+    with pytest.raises(ValueError, match="trash slot 40 outside"):
+        sample_next(logits, rows, n, live, table.params.temperature_A, table.params.greedy_A,
+                    rngs["triton"].keys_R, tokens, N, TAGS, SAMPLE)  # fmt: skip

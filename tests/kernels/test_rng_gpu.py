@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from rng_cases import SIZES, check_request_random, check_uniform_bits
-from sample_cases import SAMPLE_CASES, check_sample_edges, check_sample_rows
+from sample_cases import (
+    NEXT_CASES,
+    SAMPLE_CASES,
+    check_sample_edges,
+    check_sample_next,
+    check_sample_rows,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,3 +35,8 @@ def test_sample_rows_match_eager(case: tuple) -> None:
 
 def test_sample_rows_edges_and_errors() -> None:
     check_sample_edges("cuda")
+
+
+@pytest.mark.parametrize("case", NEXT_CASES, ids=str)
+def test_sample_next_equals_the_launches_it_replaces(case: tuple) -> None:
+    check_sample_next("cuda", *case)

@@ -17,9 +17,10 @@ shape:
   skipped). A prefill is a step too (`step.prefill_step`: T = N' positions of the bucket's rows,
   only the admitted rows live), graphed up to a size the caller gives (decode.py), else eager;
   so is the MTP depths' catch-up on a new prompt (`step.catch_up_step`).
-The state is copied into a static buffer (one per K) and results come back in a static buffer
-shared by every graph of the same step and K; the active rows' results are copied out, so the
-next replay may run before the host reads them. Graphs are captured lazily, on the first step
+The state is copied into a static buffer (one per K, in one host-to-device transfer) and results
+come back in a static buffer shared by every graph of the same step and K: `run` returns a view
+of its first rows when the active rows are packed at the front (else their rows, gathered), so
+a caller copies the result (`to_host`, or reads it) before it runs the next step. Graphs are captured lazily, on the first step
 that needs them (warm-up run on a side stream, then capture), into one shared memory pool; they
 run one at a time on one stream, so their intermediates may share memory. Everything else a
 graph reads (caches, stream buffers, the rows' tokens, keys and sampling parameters: rows.py) is
@@ -46,7 +47,7 @@ from torch import Tensor
 
 from birkhoff.engine.forward import Weights
 from birkhoff.engine.step import StepContext
-from birkhoff.engine.transfer import to_device
+from birkhoff.engine.transfer import copy_to, to_device
 
 MIN_KEYS = 32  # smallest length bucket
 MAX_WEIGHT_SETS = 2  # graph sets kept (refit alternates two buffer banks)
@@ -79,7 +80,8 @@ class Steps:
         """`step`'s result [A, ...] for cache rows `rows` with state [K, A]; keys are slots
         0..limit-1. `max_graph_tokens`: graph steps run eagerly where the batch bucket times
         the length bucket exceeds it (a prefill of long prompts: its activations would stay in
-        the graph pool)."""
+        the graph pool). With graphs the result may be a view that the next step overwrites:
+        copy it before running another."""
         device = ctx.cache.k.device
         prefix = len(rows) if rows == list(range(len(rows))) else None
         return step(ctx, to_device(rows, device), prefix, to_device(state, device), limit)
@@ -92,7 +94,7 @@ class GraphPool:
         self.max_rows, self.capacity, self.device = max_rows, capacity, device
         self.pool: Any = None  # the graphs' shared memory pool, made at first capture
         self.sets: OrderedDict[Fingerprint, dict[Key, tuple[object, Tensor]]] = OrderedDict()
-        self.states: dict[int, Tensor] = {}  # state buffers [K, max_rows], per K
+        self.states: dict[int, Tensor] = {}  # state buffers [K * max_rows], per K
         self.outputs: dict[tuple[str, int], Tensor] = {}
         self.num_captured = 0
         self.stream: torch.cuda.Stream | None = None
@@ -107,12 +109,14 @@ class GraphPool:
                 self.sets.popitem(last=False)  # its graphs read weights no longer served
         return self.sets[key]
 
-    def static_state(self, num_rows: int) -> Tensor:
-        """The state buffer [K, max_rows] of steps whose state has K = num_rows rows."""
+    def static_state(self, num_rows: int, batch: int) -> Tensor:
+        """The state buffer [K, A] (contiguous, so the host's copy is one transfer) of steps
+        whose state has K = num_rows rows, at batch bucket A: a view of one buffer per K."""
         if num_rows not in self.states:
-            shape = (num_rows, self.max_rows)
-            self.states[num_rows] = torch.zeros(shape, dtype=torch.long, device=self.device)
-        return self.states[num_rows]
+            self.states[num_rows] = torch.zeros(
+                num_rows * self.max_rows, dtype=torch.long, device=self.device
+            )
+        return self.states[num_rows][: num_rows * batch].view(num_rows, batch)
 
     def static_output(self, kind: tuple[str, int], out: Tensor) -> Tensor:
         """Copy `out` into the first rows of `kind`'s shared result buffer (made on first use,
@@ -164,21 +168,23 @@ class GraphSteps(Steps):
         for a, i in enumerate(rows):
             for dst, src in zip(padded, state, strict=True):
                 dst[i] = src[a]
-        buf = self.pool.static_state(K)
+        buf = self.pool.static_state(K, A)
         key: Key = (step.__name__, K, A, N, ctx.filtered)
         if key not in self.graphs:
 
             def fn() -> Tensor:
                 rows_A = torch.arange(A, device=buf.device)
-                out = step(ctx, rows_A, A, buf[:, :A], N)
+                out = step(ctx, rows_A, A, buf, N)
                 return self.pool.static_output((step.__name__, K), out)[:A]
 
             # the warm-up run of a capture sees no live row, so it writes only the trash slot
             # and does not apply a step's own state updates (speculative: n, draft starts)
             # before the replay applies them
-            buf[:, :A].zero_()
+            buf.zero_()
             self.graphs[key] = self.pool.capture(fn)
-        buf[:, :A].copy_(to_device(padded, buf.device))
+        copy_to(buf, padded)
         graph, out = self.graphs[key]
         graph.replay()  # type: ignore[attr-defined]
+        if rows == list(range(len(rows))):  # packed at the front: a view, no launch
+            return out[: len(rows)]
         return out.index_select(0, to_device(rows, buf.device))

@@ -35,7 +35,7 @@ SAMPLE = 0  # draw tags within a step
 DRAFT = 0  # DRAFT + k for the draft of depth k = 1..MAX_DRAFTS
 ACCEPT = 32  # ACCEPT + j for the acceptance test of draft j = 1..MAX_DRAFTS
 MAX_DRAFTS = 31
-_TAGS = 64  # tags per position
+TAGS = 64  # tags per position
 _M64 = (1 << 64) - 1
 
 
@@ -94,8 +94,8 @@ class RequestRandom:
         self.keys_R[to_device(rows, self.device)] = to_device(keys, self.device)
 
     def uniform(self, rows: Tensor, positions: Tensor, tags: int | Tensor) -> Tensor:
-        assert isinstance(tags, Tensor) or 0 <= tags < _TAGS, tags
-        counter = positions.long() * _TAGS + tags
+        assert isinstance(tags, Tensor) or 0 <= tags < TAGS, tags
+        counter = positions.long() * TAGS + tags
         key = self.keys_R[rows]
         if use_fused(key, self.kernels):  # the same bits in one launch (kernels/rng.py)
             from birkhoff.kernels.rng import splitmix_uniform

@@ -43,10 +43,11 @@ from birkhoff.engine.forward import (
     mtp_forward,
 )
 from birkhoff.engine.kv_cache import DrafterState, KVCache
-from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE
+from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, TAGS
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import sample_tokens
 from birkhoff.engine.speculative import accept_drafts
+from birkhoff.kernels import use_fused
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +67,24 @@ class StepContext:
 
 def sample_next(
     ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(token [A], its logprob [A]) sampled from the main model's logits at pending position n,
-    written to tokens_BN at n + 1."""
+) -> Tensor:
+    """[A, 2] fp64 of (token, its logprob) sampled from the main model's logits at pending
+    position n; the token is written to tokens_BN at n + 1 (the trash slot where not live).
+    With fused kernels and no row filtering: one launch (`kernels.sample.sample_next`)."""
+    table, tokens_BN, trash = ctx.rows.sampling.params, ctx.rows.tokens_BN, ctx.cache.trash
+    fused_dtype = logits_AV.dtype != torch.float64
+    if use_fused(logits_AV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
+        from birkhoff.kernels.sample import sample_next as fused
+
+        return fused(logits_AV, rows_A, n_A.long(), live_A, table.temperature_A, table.greedy_A,
+                     ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, SAMPLE)  # fmt: skip
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
     u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
     logp_AV, _, next_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
     assert next_A is not None
-    ctx.rows.tokens_BN[rows_A, torch.where(live_A, n_A + 1, ctx.cache.trash)] = next_A
-    return next_A, logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+    tokens_BN[rows_A, torch.where(live_A, n_A + 1, trash)] = next_A
+    logp_A = logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
+    return torch.stack((next_A.double(), logp_A.double()), dim=1)
 
 
 def plain_step(
@@ -84,10 +94,9 @@ def plain_step(
     n_A, live_A = state_KA[0], state_KA[1].bool()
     positions_A1 = torch.where(live_A, n_A, ctx.cache.trash)[:, None]
     chunk = chunk_at(rows_A, prefix, positions_A1, live_A[:, None], rope=ctx.rope, limit=limit)
-    tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], torch.where(live_A, n_A, 0)[:, None]]
+    tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], positions_A1]  # not live: the trash slot's
     _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
-    next_A, logp_A = sample_next(ctx, rows_A, n_A, live_A, logits_A1V[:, 0])
-    return torch.stack((next_A.double(), logp_A.double()), dim=1)
+    return sample_next(ctx, rows_A, n_A, live_A, logits_A1V[:, 0])
 
 
 def prefill_step(
@@ -109,8 +118,7 @@ def prefill_step(
     last_A = (len_A - 1).clamp(min=0)
     hidden_AD = hidden_ATD[torch.arange(len(rows_A), device=rows_A.device), last_A]
     logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
-    next_A, logp_A = sample_next(ctx, rows_A, last_A, live_A, logits_AV)
-    return torch.stack((next_A.double(), logp_A.double()), dim=1)
+    return sample_next(ctx, rows_A, last_A, live_A, logits_AV)
 
 
 def depth_pass(

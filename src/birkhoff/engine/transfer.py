@@ -36,13 +36,20 @@ def to_device(
     return staged.to(device, non_blocking=True)
 
 
+def copy_to(dst: Tensor, values: Sequence[Any]) -> None:
+    """Queue `values` (a (nested) list of dst's shape) into `dst` without a host-device sync:
+    one transfer where `to_device` then `copy_` would be two."""
+    staged = torch.as_tensor(values, dtype=dst.dtype)
+    dst.copy_(staged.pin_memory() if dst.is_cuda else staged, non_blocking=True)
+
+
 class HostCopy:
     """A device tensor's values on their way to pinned host memory; `tolist()` waits for them
     (and for the work queued before them), not for anything queued later."""
 
     def __init__(self, t: Tensor) -> None:
-        if t.device.type != "cuda":
-            self.host, self.done = t, None
+        if t.device.type != "cuda":  # a copy too: t may be a buffer the next step rewrites
+            self.host, self.done = t.clone(), None
             return
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.host.copy_(t, non_blocking=True)

@@ -9,6 +9,12 @@ rows, else exp(logp)) and, given a uniform per row, its token by the inverse CDF
 eager `target_logprobs`, `sampling_probs` and `rng.sample_inverse_cdf` (to rounding:
 kernels/sample_triton.py). Those are ~15 small launches a sampling site eagerly; a decode
 step has one, a speculative step one per draft depth and the verify pass.
+
+`sample_next` (`birkhoff::sample_next`) is a plain decode step's or a prefill's whole sampling
+site in that launch: the rows' parameters and random keys read from the engine's per-row
+tables, the uniform drawn in the kernel (the bits of `kernels.rng`), the token written into the
+rows' token buffer and (token, logprob) returned as the step's fp64 result, where eagerly the
+gathers, the draw, the index write and the result took ~15 more launches.
 """
 
 from __future__ import annotations
@@ -56,3 +62,51 @@ def _(logits_NV, temperature_N, greedy_N, u_N):  # type: ignore[no-untyped-def]
     N, V = logits_NV.shape
     logp = logits_NV.new_empty((N, V), dtype=torch.float32)
     return logp, torch.empty_like(logp), logits_NV.new_empty((N,), dtype=torch.long)
+
+
+@torch.library.custom_op("birkhoff::sample_next", mutates_args=("tokens_BN",))
+def sample_next(
+    logits_AV: Tensor, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
+    greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor, trash: int, tags: int, tag: int,
+) -> Tensor:  # fmt: skip
+    """[A, 2] fp64 of (token, its logprob) for row a of logits [A, V], which is cache row
+    rows[a] (int64) at pending position n[a] (int64) and live where live[a] != 0: sampled with
+    that row's temperature_R / greedy_R (fp32 / bool) and the uniform of splitmix64(key_R[row] ^
+    (n * tags + tag)) (int64 keys), as `sample_rows` with `rng.RequestRandom.uniform`'s draw
+    would; the token is also written to tokens_BN[row, n + 1] (int64; column `trash` for rows
+    that are not live)."""
+    check_inputs(logits_AV)
+    if logits_AV.dim() != 2:
+        raise ValueError(f"sample_next: logits must be [A, V], got {tuple(logits_AV.shape)}")
+    A, V = logits_AV.shape
+    wanted = (("rows", rows_A, torch.long, A), ("n", n_A, torch.long, A),
+              ("temperature", temperature_R, torch.float32, None),
+              ("greedy", greedy_R, torch.bool, None), ("key", key_R, torch.long, None))  # fmt: skip
+    for name, t, dtype, size in wanted:
+        bad_size = size is not None and t.shape[0] != size
+        if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or bad_size:
+            raise ValueError(f"sample_next: {name} must be a contiguous 1-D {dtype} tensor"
+                             f"{'' if size is None else f' of {size} entries'}, got "
+                             f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+    if live_A.shape != (A,):
+        raise ValueError(f"sample_next: live must have {A} entries, got {tuple(live_A.shape)}")
+    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
+        raise ValueError(f"sample_next: tokens must be a row-major [B, N] int64 tensor, got "
+                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
+    if not 0 <= trash < tokens_BN.shape[1]:
+        raise ValueError(f"sample_next: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
+    out = torch.empty(A, 2, dtype=torch.float64, device=logits_AV.device)
+    if A and V:
+        scratch = logits_AV.new_empty((2, A, V), dtype=torch.float32)  # logp, probs
+        K.sample_next[(A,)](
+            logits_AV.contiguous(), rows_A.contiguous(), n_A.contiguous(), live_A.contiguous(),
+            temperature_R, greedy_R, key_R, tokens_BN, scratch[0], scratch[1], out, V,
+            tokens_BN.stride(0), trash, TAGS=tags, TAG=tag, BV=min(BV, max(16, pow2(V))),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@sample_next.register_fake
+def _(logits_AV, rows_A, n_A, live_A, temperature_R, greedy_R, key_R, tokens_BN, trash, tags, tag):  # type: ignore[no-untyped-def]  # noqa: E501
+    return logits_AV.new_empty((logits_AV.shape[0], 2), dtype=torch.float64)

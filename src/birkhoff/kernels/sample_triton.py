@@ -1,8 +1,8 @@
-"""Triton kernel of the engine's per-row sampling (engine/sampling.py) in one launch.
+"""Triton kernels of the engine's per-row sampling (engine/sampling.py) in one launch.
 
-Legend: N rows, V vocab, BV vocab entries a block.
+Legend: N rows, V vocab, BV vocab entries a block; R rows of the engine's tables, B cache rows.
 
-`sample_rows`: one program per row, three passes over the row in BV-wide blocks:
+`_sample_row` (one program per row) makes three passes over the row in BV-wide blocks:
 1. z = logits / temperature (fp32), its running max and rescaled sum of exp (online softmax);
 2. logp = (z - max) - log(sum), as torch's log_softmax forms it; the first index of the
    largest logp (the greedy token); probs = exp(logp), or one-hot at that index for greedy
@@ -14,6 +14,15 @@ Triton's exp and log are the GPU's fast approximations (relative error ~1e-7 to 
 the logit ranges of a vocabulary), and the sums run in another order than torch's (blocks, a
 parallel scan): logp and probs agree with the eager functions within ~1e-5 relative, and a
 sampled token differs only where u * total falls that close to a cumulative-mass boundary.
+
+- `sample_rows`: the row's temperature, greedy flag and uniform given per row; stores logp,
+  probs and the token.
+- `sample_next` (a plain decode step's or a prefill's sampling and bookkeeping): row a of the
+  step is cache row rows[a] at pending position n[a]; its temperature and greedy flag come
+  from the engine's per-row tables, its uniform from splitmix64(key[row] ^ (n * TAGS + TAG))
+  (rng_triton, the bits of `splitmix_uniform`); the token goes into tokens[row, n + 1] (the
+  trash slot for rows that are not live) and (token, its logp) into out[a] as fp64. The logp
+  of the token is recomputed from its logit with pass 2's arithmetic: the value pass 2 stored.
 """
 
 from __future__ import annotations
@@ -21,16 +30,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from birkhoff.kernels.rng_triton import uniform_bits
+
 
 @triton.jit
-def sample_rows(
-    logits_ptr, temp_ptr, greedy_ptr, u_ptr, logp_ptr, probs_ptr, token_ptr, V,
-    HAS_U: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    logits, logp_row, probs_row = logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V
-    t = tl.load(temp_ptr + row)
-    greedy = tl.load(greedy_ptr + row) != 0
+def _sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr,
+                BV: tl.constexpr):  # fmt: skip
+    """(token [1] int64, max [1], log of the sum of exp [1]) of one row; stores logp and
+    probs. `u` is read only where HAS_U and the row is not greedy."""
     m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], dtype=tl.float32)
     for v0 in range(0, V, BV):
@@ -61,7 +68,7 @@ def sample_rows(
     token = best_i
     if HAS_U:  # noqa: SIM102 (a compile-time branch around a runtime one)
         if not greedy:
-            target = tl.load(u_ptr + row) * total
+            target = u * total
             below = tl.zeros([1], dtype=tl.int64)
             short = tl.zeros([1], dtype=tl.int64)
             run = tl.zeros([1], dtype=tl.float64)
@@ -74,4 +81,42 @@ def sample_rows(
                 short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
                 run += tl.max(cs, axis=0)
             token = tl.minimum(below, short)
+    return token, m, log_s
+
+
+@triton.jit
+def sample_rows(
+    logits_ptr, temp_ptr, greedy_ptr, u_ptr, logp_ptr, probs_ptr, token_ptr, V,
+    HAS_U: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(temp_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
+    u = tl.load(u_ptr + row) if HAS_U else 0.0
+    token, _, _ = _sample_row(logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V, t,
+                              greedy, u, V, HAS_U, BV)  # fmt: skip
     tl.store(token_ptr + row + tl.arange(0, 1), token)
+
+
+@triton.jit
+def sample_next(
+    logits_ptr, rows_ptr, n_ptr, live_ptr, temp_ptr, greedy_ptr, key_ptr, tokens_ptr,
+    logp_ptr, probs_ptr, out_ptr, V, stride_tokens, trash, TAGS: tl.constexpr,
+    TAG: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    a = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + a)
+    n = tl.load(n_ptr + a).to(tl.int64)
+    live = tl.load(live_ptr + a) != 0
+    t = tl.load(temp_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
+    u = uniform_bits(tl.load(key_ptr + row), n * TAGS + TAG)
+    logits = logits_ptr + a * V
+    token, m, log_s = _sample_row(logits, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V,
+                                  True, BV)  # fmt: skip
+    logp = (tl.load(logits + token).to(tl.float32) / t - m) - log_s
+    slot = tl.where(live, n + 1, trash)
+    one = tl.arange(0, 1)
+    tl.store(tokens_ptr + row * stride_tokens + slot + one, token)
+    tl.store(out_ptr + 2 * a + one, token.to(tl.float64))
+    tl.store(out_ptr + 2 * a + 1 + one, logp.to(tl.float64))
