@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from birkhoff.engine.rng import SAMPLE, TAGS, RequestRandom, sample_inverse_cdf
+from birkhoff.engine.rng import DRAFT, SAMPLE, TAGS, RequestRandom, sample_inverse_cdf
 from birkhoff.engine.sampling import RowSampling, SamplingParams, SamplingTable, sample_tokens
 from birkhoff.kernels.sample import sample_next, sample_rows
 
@@ -81,10 +81,10 @@ def check_sample_edges(device: str) -> None:
 
 
 def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
-    """The fused sampling site of a plain step equals the launches it replaces: the rows'
-    parameters gathered from the tables, RequestRandom's uniforms, sample_rows, the token
-    written at n + 1 (trash where not live) and (token, logp) as fp64: the same bits; and the
-    eager functions' tokens, logp within sample_rows' tolerance."""
+    """A step's fused sampling site equals the launches it replaces: the rows' parameters
+    gathered from the tables, RequestRandom's uniforms, sample_rows, the token written at
+    n + offset (trash where not live), (token, logp) as fp64: the same bits (probs too); and
+    the eager functions' tokens, logp within sample_rows' tolerance."""
     dev = torch.device(device)
     R, N, trash = 6, 40, 39
     g = torch.Generator().manual_seed(V)
@@ -96,28 +96,28 @@ def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
     for rng in rngs.values():
         rng.assign(list(range(R)), keys)
     rows = torch.tensor([4, 0, 2, 5, 1], device=dev)
-    n = torch.tensor([3, 0, 17, 38, 9], device=dev)
+    n = torch.tensor([3, 0, 17, 36, 9], device=dev)
     live = torch.tensor([True, True, True, False, True], device=dev)
     logits = (torch.randn(len(rows), V, generator=g) * 3).to(dev, dtype)
     tokens = torch.randint(0, V, (R, N), generator=g).to(dev)
-    expected_tokens = tokens.clone()
-    out = sample_next(logits, rows, n, live, table.params.temperature_A, table.params.greedy_A,
-                      rngs["triton"].keys_R, tokens, trash, TAGS, SAMPLE)  # fmt: skip
+    tables = (table.params.temperature_A, table.params.greedy_A, rngs["triton"].keys_R)
     rs = table.select(rows, filtered=False)
-    for kernels, rng in rngs.items():
-        logp, _, token = sample_tokens(logits, rs, rng.uniform(rows, n, SAMPLE), kernels)
-        assert token is not None
-        lp = logp.gather(-1, token[:, None]).squeeze(-1).double()
-        assert torch.equal(out[:, 0], token.double()), kernels
-        if kernels == "triton":
-            assert torch.equal(out[:, 1], lp)
-            expected_tokens[rows, torch.where(live, n + 1, trash)] = token
-            assert torch.equal(tokens, expected_tokens)
-        else:
-            assert _largest((out[:, 1] - lp).abs() / lp.abs().clamp(min=1)) <= 1e-5
+    for tag, offset in ((SAMPLE, 1), (DRAFT + 2, 2)):
+        expected_tokens = tokens.clone()
+        out, token, probs = sample_next(logits, rows, n, live, *tables, tokens, trash, TAGS, tag,
+                                        offset)  # fmt: skip
+        for kernels, rng in rngs.items():
+            logp, p, t = sample_tokens(logits, rs, rng.uniform(rows, n, tag), kernels)
+            assert t is not None
+            lp = logp.gather(-1, t[:, None]).squeeze(-1).double()
+            assert torch.equal(token, t) and torch.equal(out[:, 0], t.double()), kernels
+            if kernels == "triton":
+                assert torch.equal(out[:, 1], lp) and torch.equal(probs, p)
+                expected_tokens[rows, torch.where(live, n + offset, trash)] = t
+                assert torch.equal(tokens, expected_tokens)
+            else:
+                assert _largest((out[:, 1] - lp).abs() / lp.abs().clamp(min=1)) <= 1e-5
     with pytest.raises(ValueError, match="rows must be a contiguous 1-D torch.int64"):
-        sample_next(logits, rows.int(), n, live, table.params.temperature_A,
-                    table.params.greedy_A, rngs["triton"].keys_R, tokens, trash, TAGS, SAMPLE)  # fmt: skip
+        sample_next(logits, rows.int(), n, live, *tables, tokens, trash, TAGS, SAMPLE, 1)
     with pytest.raises(ValueError, match="trash slot 40 outside"):
-        sample_next(logits, rows, n, live, table.params.temperature_A, table.params.greedy_A,
-                    rngs["triton"].keys_R, tokens, N, TAGS, SAMPLE)  # fmt: skip
+        sample_next(logits, rows, n, live, *tables, tokens, N, TAGS, SAMPLE, 1)

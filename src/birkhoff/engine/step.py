@@ -65,26 +65,29 @@ class StepContext:
     draft_lengths: tuple[int, ...] = ()  # positions per depth; () = J + k (static shapes)
 
 
-def sample_next(
-    ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor
-) -> Tensor:
-    """[A, 2] fp64 of (token, its logprob) sampled from the main model's logits at pending
-    position n; the token is written to tokens_BN at n + 1 (the trash slot where not live).
-    With fused kernels and no row filtering: one launch (`kernels.sample.sample_next`)."""
+def sample_at(
+    ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor, tag: int,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """A sampling site of rows at pending positions n (draw tag `tag`): ([A, 2] fp64 of (token,
+    its logprob), the tokens [A], the probs [A, V] they were drawn from); each token is written
+    to tokens_BN at n + offset (the trash slot where not live). With fused kernels and no row
+    filtering: one launch (`kernels.sample.sample_next`)."""
     table, tokens_BN, trash = ctx.rows.sampling.params, ctx.rows.tokens_BN, ctx.cache.trash
     fused_dtype = logits_AV.dtype != torch.float64
     if use_fused(logits_AV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
-        from birkhoff.kernels.sample import sample_next as fused
+        from birkhoff.kernels.sample import sample_next
 
-        return fused(logits_AV, rows_A, n_A.long(), live_A, table.temperature_A, table.greedy_A,
-                     ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, SAMPLE)  # fmt: skip
+        return sample_next(logits_AV, rows_A, n_A.long(), live_A, table.temperature_A,
+                           table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, tag,
+                           offset)  # fmt: skip
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
-    u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)
-    logp_AV, _, next_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
-    assert next_A is not None
-    tokens_BN[rows_A, torch.where(live_A, n_A + 1, trash)] = next_A
-    logp_A = logp_AV.gather(-1, next_A[:, None]).squeeze(-1)
-    return torch.stack((next_A.double(), logp_A.double()), dim=1)
+    u_A = ctx.rows.rng.uniform(rows_A, n_A, tag)
+    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
+    assert token_A is not None
+    tokens_BN[rows_A, torch.where(live_A, n_A + offset, trash)] = token_A
+    logp_A = logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
+    return torch.stack((token_A.double(), logp_A.double()), dim=1), token_A, probs_AV
 
 
 def plain_step(
@@ -96,7 +99,7 @@ def plain_step(
     chunk = chunk_at(rows_A, prefix, positions_A1, live_A[:, None], rope=ctx.rope, limit=limit)
     tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], positions_A1]  # not live: the trash slot's
     _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
-    return sample_next(ctx, rows_A, n_A, live_A, logits_A1V[:, 0])
+    return sample_at(ctx, rows_A, n_A, live_A, logits_A1V[:, 0], SAMPLE, 1)[0]
 
 
 def prefill_step(
@@ -118,7 +121,7 @@ def prefill_step(
     last_A = (len_A - 1).clamp(min=0)
     hidden_AD = hidden_ATD[torch.arange(len(rows_A), device=rows_A.device), last_A]
     logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
-    return sample_next(ctx, rows_A, last_A, live_A, logits_AV)
+    return sample_at(ctx, rows_A, last_A, live_A, logits_AV, SAMPLE, 1)[0]
 
 
 def depth_pass(
@@ -164,9 +167,7 @@ def draft(
     """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
     valid_JB[k-1] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
     assert ctx.drafter is not None
-    J, trash, device = ctx.num_drafts, ctx.cache.trash, rows_A.device
-    tokens_BN, valid_JB = ctx.rows.tokens_BN, ctx.drafter.valid_JB
-    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
+    J, device, valid_JB = ctx.num_drafts, rows_A.device, ctx.drafter.valid_JB
     drafts, qs = [], []
     for k in range(1, J + 1):
         start_A = valid_JB[k - 1, rows_A]
@@ -178,10 +179,7 @@ def draft(
         logits_AV = lm_head(
             head_ATD[torch.arange(len(rows_A), device=device), last_A], ctx.w, ctx.cfg
         )
-        u_A = ctx.rows.rng.uniform(rows_A, n_A, DRAFT + k)
-        _, q_AV, draft_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
-        assert draft_A is not None
-        tokens_BN[rows_A, torch.where(live_A, n_A + k, trash)] = draft_A
+        _, draft_A, q_AV = sample_at(ctx, rows_A, n_A, live_A, logits_AV, DRAFT + k, k)
         drafts.append(draft_A)
         qs.append(q_AV)
     return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)

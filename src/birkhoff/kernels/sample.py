@@ -68,13 +68,15 @@ def _(logits_NV, temperature_N, greedy_N, u_N):  # type: ignore[no-untyped-def]
 def sample_next(
     logits_AV: Tensor, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
     greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor, trash: int, tags: int, tag: int,
-) -> Tensor:  # fmt: skip
-    """[A, 2] fp64 of (token, its logprob) for row a of logits [A, V], which is cache row
-    rows[a] (int64) at pending position n[a] (int64) and live where live[a] != 0: sampled with
-    that row's temperature_R / greedy_R (fp32 / bool) and the uniform of splitmix64(key_R[row] ^
-    (n * tags + tag)) (int64 keys), as `sample_rows` with `rng.RequestRandom.uniform`'s draw
-    would; the token is also written to tokens_BN[row, n + 1] (int64; column `trash` for rows
-    that are not live)."""
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """([A, 2] fp64 of (token, its logprob), the tokens [A] int64, the probs [A, V] fp32 they
+    were sampled from) for row a of logits [A, V], which is cache row rows[a] (int64) at
+    pending position n[a] (int64) and live where live[a] != 0: sampled with that row's
+    temperature_R / greedy_R (fp32 / bool) and the uniform of splitmix64(key_R[row] ^ (n * tags
+    + tag)) (int64 keys), as `sample_rows` with `rng.RequestRandom.uniform`'s draw would; the
+    token is also written to tokens_BN[row, n + offset] (int64; column `trash` for rows that
+    are not live)."""
     check_inputs(logits_AV)
     if logits_AV.dim() != 2:
         raise ValueError(f"sample_next: logits must be [A, V], got {tuple(logits_AV.shape)}")
@@ -95,18 +97,25 @@ def sample_next(
                          f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
     if not 0 <= trash < tokens_BN.shape[1]:
         raise ValueError(f"sample_next: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
-    out = torch.empty(A, 2, dtype=torch.float64, device=logits_AV.device)
+    out, token, logp, probs = _sample_next_fake(logits_AV)
     if A and V:
-        scratch = logits_AV.new_empty((2, A, V), dtype=torch.float32)  # logp, probs
         K.sample_next[(A,)](
-            logits_AV.contiguous(), rows_A.contiguous(), n_A.contiguous(), live_A.contiguous(),
-            temperature_R, greedy_R, key_R, tokens_BN, scratch[0], scratch[1], out, V,
-            tokens_BN.stride(0), trash, TAGS=tags, TAG=tag, BV=min(BV, max(16, pow2(V))),
-            num_warps=4,
+            logits_AV.contiguous(), rows_A, n_A, live_A.contiguous(), temperature_R, greedy_R,
+            key_R, tokens_BN, logp, probs, out, token, V, tokens_BN.stride(0), trash, offset,
+            TAGS=tags, TAG=tag, BV=min(BV, max(16, pow2(V))), num_warps=4,
         )  # fmt: skip
-    return out
+    return out, token, probs
+
+
+def _sample_next_fake(logits_AV: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """sample_next's outputs and its logp scratch, allocated."""
+    A, V = logits_AV.shape
+    out = logits_AV.new_empty((A, 2), dtype=torch.float64)
+    logp = logits_AV.new_empty((A, V), dtype=torch.float32)
+    return out, logits_AV.new_empty((A,), dtype=torch.long), logp, torch.empty_like(logp)
 
 
 @sample_next.register_fake
-def _(logits_AV, rows_A, n_A, live_A, temperature_R, greedy_R, key_R, tokens_BN, trash, tags, tag):  # type: ignore[no-untyped-def]  # noqa: E501
-    return logits_AV.new_empty((logits_AV.shape[0], 2), dtype=torch.float64)
+def _(logits_AV, rows_A, n_A, live_A, temperature_R, greedy_R, key_R, tokens_BN, trash, tags, tag, offset):  # type: ignore[no-untyped-def]  # noqa: E501
+    out, token, _, probs = _sample_next_fake(logits_AV)
+    return out, token, probs

@@ -17,11 +17,11 @@ sampled token differs only where u * total falls that close to a cumulative-mass
 
 - `sample_rows`: the row's temperature, greedy flag and uniform given per row; stores logp,
   probs and the token.
-- `sample_next` (a plain decode step's or a prefill's sampling and bookkeeping): row a of the
-  step is cache row rows[a] at pending position n[a]; its temperature and greedy flag come
-  from the engine's per-row tables, its uniform from splitmix64(key[row] ^ (n * TAGS + TAG))
-  (rng_triton, the bits of `splitmix_uniform`); the token goes into tokens[row, n + 1] (the
-  trash slot for rows that are not live) and (token, its logp) into out[a] as fp64. The logp
+- `sample_next` (a sampling site of a step and its bookkeeping): row a of the step is cache
+  row rows[a] at pending position n[a]; its temperature and greedy flag come from the engine's
+  per-row tables, its uniform from splitmix64(key[row] ^ (n * TAGS + TAG)) (rng_triton, the
+  bits of `splitmix_uniform`); the token goes into tokens[row, n + offset] (the trash slot for
+  rows that are not live) and token[a], and (token, its logp) into out[a] as fp64. The logp
   of the token is recomputed from its logit with pass 2's arithmetic: the value pass 2 stored.
 """
 
@@ -101,7 +101,7 @@ def sample_rows(
 @triton.jit
 def sample_next(
     logits_ptr, rows_ptr, n_ptr, live_ptr, temp_ptr, greedy_ptr, key_ptr, tokens_ptr,
-    logp_ptr, probs_ptr, out_ptr, V, stride_tokens, trash, TAGS: tl.constexpr,
+    logp_ptr, probs_ptr, out_ptr, token_ptr, V, stride_tokens, trash, offset, TAGS: tl.constexpr,
     TAG: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     a = tl.program_id(0).to(tl.int64)
@@ -115,8 +115,9 @@ def sample_next(
     token, m, log_s = _sample_row(logits, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V,
                                   True, BV)  # fmt: skip
     logp = (tl.load(logits + token).to(tl.float32) / t - m) - log_s
-    slot = tl.where(live, n + 1, trash)
+    slot = tl.where(live, n + offset, trash)
     one = tl.arange(0, 1)
     tl.store(tokens_ptr + row * stride_tokens + slot + one, token)
+    tl.store(token_ptr + a + one, token)
     tl.store(out_ptr + 2 * a + one, token.to(tl.float64))
     tl.store(out_ptr + 2 * a + 1 + one, logp.to(tl.float64))
