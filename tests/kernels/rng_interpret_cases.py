@@ -1,5 +1,6 @@
-"""Fused splitmix64 uniforms and per-row sampling against the eager reference under the Triton
-interpreter on CPU (run by test_mhc_interpret.py in a fresh process)."""
+"""Fused splitmix64 uniforms, per-row sampling and a plain step's inputs against the eager
+reference under the Triton interpreter on CPU (run by test_mhc_interpret.py in a fresh
+process)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sample_cases import (
     check_sample_next,
     check_sample_rows,
 )
+from step_inputs_cases import INPUT_CASES, check_decode_inputs, check_decode_inputs_errors
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
@@ -41,3 +43,12 @@ def test_sample_rows_edges_and_errors() -> None:
 @pytest.mark.parametrize("case", NEXT_CASES, ids=str)
 def test_sample_next_equals_the_launches_it_replaces(case: tuple) -> None:
     check_sample_next("cpu", *case)
+
+
+@pytest.mark.parametrize("case", INPUT_CASES, ids=str)
+def test_decode_inputs_equal_the_gathers(case: tuple) -> None:
+    check_decode_inputs("cpu", *case)
+
+
+def test_decode_inputs_errors() -> None:
+    check_decode_inputs_errors("cpu")

@@ -1,4 +1,5 @@
-"""Fused splitmix64 uniforms and per-row sampling on CUDA against the eager reference."""
+"""Fused splitmix64 uniforms, per-row sampling and a plain step's inputs on CUDA against the eager
+reference."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from sample_cases import (
     check_sample_next,
     check_sample_rows,
 )
+from step_inputs_cases import INPUT_CASES, check_decode_inputs, check_decode_inputs_errors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,3 +42,12 @@ def test_sample_rows_edges_and_errors() -> None:
 @pytest.mark.parametrize("case", NEXT_CASES, ids=str)
 def test_sample_next_equals_the_launches_it_replaces(case: tuple) -> None:
     check_sample_next("cuda", *case)
+
+
+@pytest.mark.parametrize("case", INPUT_CASES, ids=str)
+def test_decode_inputs_equal_the_gathers(case: tuple) -> None:
+    check_decode_inputs("cuda", *case)
+
+
+def test_decode_inputs_errors() -> None:
+    check_decode_inputs_errors("cuda")

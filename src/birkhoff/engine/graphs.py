@@ -20,11 +20,11 @@ shape:
 The state is copied into a static buffer (one per K, in one host-to-device transfer) and results
 come back in a static buffer shared by every graph of the same step and K: `run` returns a view
 of its first rows when the active rows are packed at the front (else their rows, gathered), so
-a caller copies the result (`to_host`, or reads it) before it runs the next step. Graphs are captured lazily, on the first step
-that needs them (warm-up run on a side stream, then capture), into one shared memory pool; they
-run one at a time on one stream, so their intermediates may share memory. Everything else a
-graph reads (caches, stream buffers, the rows' tokens, keys and sampling parameters: rows.py) is
-allocated once per engine.
+a caller copies the result (`to_host`, or reads it) before it runs the next step. Graphs are
+captured lazily, on the first step that needs them (warm-up run on a side stream, then
+capture), into one shared memory pool; they run one at a time on one stream, so their
+intermediates may share memory. Everything else a graph reads (caches, stream buffers, the
+rows' tokens, keys and sampling parameters: rows.py) is allocated once per engine.
 
 Weights: a graph reads the weight tensors at the addresses it was captured with. Graph sets are
 therefore keyed by the addresses of the committed weights (`fingerprint`): a step replays a graph

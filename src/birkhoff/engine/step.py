@@ -35,6 +35,7 @@ from torch import Tensor
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine.forward import (
+    Chunk,
     Weights,
     chunk_at,
     decode_step,
@@ -94,12 +95,21 @@ def plain_step(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
 ) -> Tensor:
     """One plain decode step (state [2, A]: n, live): [A, 2] fp64 of (next token, logprob)."""
-    n_A, live_A = state_KA[0], state_KA[1].bool()
-    positions_A1 = torch.where(live_A, n_A, ctx.cache.trash)[:, None]
-    chunk = chunk_at(rows_A, prefix, positions_A1, live_A[:, None], rope=ctx.rope, limit=limit)
-    tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], positions_A1]  # not live: the trash slot's
+    n_A, trash = state_KA[0], ctx.cache.trash
+    if use_fused(n_A, ctx.cfg.mhc_kernels):  # the five gathers below in one launch
+        from birkhoff.kernels.step_inputs import decode_inputs
+
+        positions_A1, valid_A1, cos, sin, tokens_A1 = decode_inputs(
+            n_A, state_KA[1], rows_A, ctx.rows.tokens_BN, *ctx.rope, trash
+        )
+        chunk = Chunk(rows_A, prefix, positions_A1, valid_A1, cos, sin, limit)
+    else:
+        valid_A1 = state_KA[1].bool()[:, None]
+        positions_A1 = torch.where(valid_A1, n_A[:, None], trash)
+        chunk = chunk_at(rows_A, prefix, positions_A1, valid_A1, rope=ctx.rope, limit=limit)
+        tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], positions_A1]  # not live: trash slot's
     _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
-    return sample_at(ctx, rows_A, n_A, live_A, logits_A1V[:, 0], SAMPLE, 1)[0]
+    return sample_at(ctx, rows_A, n_A, valid_A1[:, 0], logits_A1V[:, 0], SAMPLE, 1)[0]
 
 
 def prefill_step(

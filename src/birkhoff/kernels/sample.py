@@ -116,6 +116,19 @@ def _sample_next_fake(logits_AV: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 
 @sample_next.register_fake
-def _(logits_AV, rows_A, n_A, live_A, temperature_R, greedy_R, key_R, tokens_BN, trash, tags, tag, offset):  # type: ignore[no-untyped-def]  # noqa: E501
+def _(
+    logits_AV,
+    rows_A,
+    n_A,
+    live_A,
+    temperature_R,
+    greedy_R,
+    key_R,
+    tokens_BN,
+    trash,
+    tags,
+    tag,
+    offset,
+):  # type: ignore[no-untyped-def]  # noqa: E501
     out, token, _, probs = _sample_next_fake(logits_AV)
     return out, token, probs
