@@ -44,8 +44,8 @@ def check_sample_rows(device: str, case: tuple) -> None:
     g = torch.Generator().manual_seed(V)
     logits = (torch.randn(N, V, generator=g) * scale).to(device, dtype)
     u = torch.rand(N, generator=g, dtype=torch.float64).to(device)
-    logp, probs, token = sample_tokens(logits, rs, u, "eager")
-    f_logp, f_probs, f_token = sample_tokens(logits, rs, u, "triton")
+    logp, probs, token = sample_tokens(logits, rs, u)
+    f_logp, f_probs, f_token = sample_rows(logits, rs.temperature_A, rs.greedy_A, u)
     assert f_logp.dtype == torch.float32 and f_probs.shape == (N, V) and f_token is not None
     assert _largest((f_logp - logp).abs() / logp.abs().clamp(min=1)) <= 1e-5
     bound = 1e-5 * probs * logp.abs().clamp(min=1) + 1e-12
@@ -55,7 +55,6 @@ def check_sample_rows(device: str, case: tuple) -> None:
     _, _, greedy_token = sample_rows(logits, rs.temperature_A, rs.greedy_A, None)
     if N:
         assert torch.equal(greedy_token, logp.argmax(-1))
-    assert sample_tokens(logits, rs, None, "triton")[2] is None
 
 
 def check_sample_edges(device: str) -> None:
@@ -67,7 +66,7 @@ def check_sample_edges(device: str) -> None:
                      device=device), torch.ones(2, device=device),
                      torch.tensor([False, False], device=device), False)  # fmt: skip
     u = torch.tensor([1 - 2**-53, 0.0], dtype=torch.float64, device=device)
-    _, probs, token = sample_tokens(logits, rs, u, "triton")
+    _, probs, token = sample_rows(logits, rs.temperature_A, rs.greedy_A, u)
     assert token is not None and token.tolist() == [2, 0]
     assert token.tolist() == sample_inverse_cdf(probs, u).tolist()
     greedy = sample_rows(logits, rs.temperature_A, rs.greedy_A, None)[2]
@@ -107,8 +106,13 @@ def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
         out, token, probs = sample_next(logits, rows, n, live, *tables, tokens, trash, TAGS, tag,
                                         offset)  # fmt: skip
         for kernels, rng in rngs.items():
-            logp, p, t = sample_tokens(logits, rs, rng.uniform(rows, n, tag), kernels)
-            assert t is not None
+            u = rng.uniform(rows, n, tag)
+            if kernels == "triton":  # the fused row arithmetic with the same uniforms
+                logp, p, t = sample_rows(logits, rs.temperature_A, rs.greedy_A, u)
+            else:
+                logp, p, t_or_none = sample_tokens(logits, rs, u)
+                assert t_or_none is not None
+                t = t_or_none
             lp = logp.gather(-1, t[:, None]).squeeze(-1).double()
             assert torch.equal(token, t) and torch.equal(out[:, 0], t.double()), kernels
             if kernels == "triton":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accept_cases import ACCEPT_CASES, check_verify_accept
 from rng_cases import SIZES, check_request_random, check_uniform_bits
 from sample_cases import (
     NEXT_CASES,
@@ -51,3 +52,8 @@ def test_decode_inputs_equal_the_gathers(case: tuple) -> None:
 
 def test_decode_inputs_errors() -> None:
     check_decode_inputs_errors("cuda")
+
+
+@pytest.mark.parametrize("case", ACCEPT_CASES, ids=str)
+def test_verify_accept_equals_the_launches_it_replaces(case: tuple) -> None:
+    check_verify_accept("cuda", *case)

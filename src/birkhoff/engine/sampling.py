@@ -27,7 +27,6 @@ from torch import Tensor
 from birkhoff.config import check
 from birkhoff.engine.rng import sample_inverse_cdf
 from birkhoff.engine.transfer import to_device
-from birkhoff.kernels import use_fused
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,15 +158,11 @@ def sample_logits(logits_AV: Tensor, rs: RowSampling) -> tuple[Tensor, Tensor]:
 
 
 def sample_tokens(
-    logits_AV: Tensor, rs: RowSampling, u_A: Tensor | None, kernels: str
+    logits_AV: Tensor, rs: RowSampling, u_A: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log-probs, the probs a token is sampled from, the token drawn with uniforms `u_A` by the
-    inverse CDF, or None without them). `kernels` (`birkhoff.kernels.use_fused`): unless some
-    row filters, one fused launch (`kernels.sample`) instead of the eager functions above."""
-    if use_fused(logits_AV, kernels) and not rs.filtered and logits_AV.dtype != torch.float64:
-        from birkhoff.kernels.sample import sample_rows
-
-        logp_AV, probs_AV, token_A = sample_rows(logits_AV, rs.temperature_A, rs.greedy_A, u_A)
-        return logp_AV, probs_AV, None if u_A is None else token_A
+    inverse CDF, or None without them). The eager reference: with fused kernels and no row
+    filtering, a step's sampling sites are single launches (`kernels.sample.sample_next`,
+    `kernels.accept.verify_accept`) sharing `kernels.sample.sample_rows`' row arithmetic."""
     logp_AV, probs_AV = sample_logits(logits_AV, rs)
     return logp_AV, probs_AV, None if u_A is None else sample_inverse_cdf(probs_AV, u_A)

@@ -84,7 +84,7 @@ def sample_at(
                            offset)  # fmt: skip
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
     u_A = ctx.rows.rng.uniform(rows_A, n_A, tag)
-    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A, ctx.cfg.mhc_kernels)
+    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A)
     assert token_A is not None
     tokens_BN[rows_A, torch.where(live_A, n_A + offset, trash)] = token_A
     logp_A = logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
@@ -201,7 +201,8 @@ def verify(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns (the
     accepted drafts a [A], [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs (the first
-    a + 1 are real)). The next token goes to tokens_BN at n + 1 + a."""
+    a + 1 are real)). The next token goes to tokens_BN at n + 1 + a. With fused kernels and no
+    row filtering, everything after the model pass is one launch (`kernels.accept`)."""
     assert ctx.drafter is not None
     (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
     tokens_BN = ctx.rows.tokens_BN
@@ -212,8 +213,17 @@ def verify(
     tokens_AT = tokens_BN[rows_A[:, None], torch.where(live_AT, pos_AT, 0)]
     ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
     ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
+    fused_dtype = logits_ATV.dtype != torch.float64
+    if use_fused(logits_ATV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
+        from birkhoff.kernels.accept import verify_accept
+
+        table = ctx.rows.sampling.params
+        return verify_accept(
+            logits_ATV, q_AJV, drafts_AJ, rows_A, n_A, live_A, table.temperature_A,
+            table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, SAMPLE, ACCEPT,
+        )  # fmt: skip
     rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
-    logp_AV, p_AV, _ = sample_tokens(logits_ATV.reshape(A * T, -1), rs, None, ctx.cfg.mhc_kernels)
+    logp_AV, p_AV, _ = sample_tokens(logits_ATV.reshape(A * T, -1), rs, None)
     tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)
     u_AJ = ctx.rows.rng.uniform(rows_A[:, None], n_A[:, None], tags_J[None, :])
     u_A = ctx.rows.rng.uniform(rows_A, n_A, SAMPLE)

@@ -1,20 +1,22 @@
-"""The engine's per-row sampling as one fused forward-only custom op (`birkhoff::sample_rows`).
+"""The engine's per-row sampling as fused forward-only custom ops.
 
-Legend: N rows of logits, V vocab.
+Legend: N rows of logits, V vocab; A rows of a step, R rows of the engine's tables, B cache rows.
 
-`engine.sampling.sample_tokens` calls it where fused kernels apply and no row filters (top-k /
-top-p keep the eager sort): from the logits, each row's log-probabilities (tempered; greedy
-rows carry temperature 1), the distribution it samples from (one-hot at the argmax for greedy
-rows, else exp(logp)) and, given a uniform per row, its token by the inverse CDF, exactly the
-eager `target_logprobs`, `sampling_probs` and `rng.sample_inverse_cdf` (to rounding:
-kernels/sample_triton.py). Those are ~15 small launches a sampling site eagerly; a decode
-step has one, a speculative step one per draft depth and the verify pass.
-
-`sample_next` (`birkhoff::sample_next`) is a plain decode step's or a prefill's whole sampling
-site in that launch: the rows' parameters and random keys read from the engine's per-row
-tables, the uniform drawn in the kernel (the bits of `kernels.rng`), the token written into the
-rows' token buffer and (token, logprob) returned as the step's fp64 result, where eagerly the
-gathers, the draw, the index write and the result took ~15 more launches.
+Both compute, from the logits, each row's log-probabilities (tempered; greedy rows carry
+temperature 1), the distribution it samples from (one-hot at the argmax for greedy rows, else
+exp(logp)) and, given a uniform, its token by the inverse CDF: the eager `sampling.
+target_logprobs`, `sampling_probs` and `rng.sample_inverse_cdf` (to rounding:
+kernels/sample_triton.py), ~15 small launches eagerly.
+- `sample_next` (`birkhoff::sample_next`) is a step's whole sampling site in one launch (a
+  plain step's, a prefill's, a draft depth's; `engine.step.sample_at`): the rows' parameters
+  and random keys read from the engine's per-row tables, the uniform drawn in the kernel (the
+  bits of `kernels.rng`), the token written into the rows' token buffer and (token, logprob)
+  returned as the step's fp64 result, where eagerly the gathers, the draw, the index write and
+  the result took ~15 more launches.
+- `sample_rows` (`birkhoff::sample_rows`) takes the parameters and uniforms per row: the row
+  arithmetic that sample_next and `kernels.accept.verify_accept` share, with uniforms a test
+  chooses (the inverse CDF's edges).
+Where some row filters with top-k / top-p the engine keeps the eager sort.
 """
 
 from __future__ import annotations

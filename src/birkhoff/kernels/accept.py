@@ -1,0 +1,91 @@
+"""A speculative step's verify tail as one fused forward-only custom op
+(`birkhoff::verify_accept`).
+
+Legend: A rows of the step, J drafts a row, T = J + 1 verified positions, V vocab; R rows of the
+engine's tables, B cache rows.
+
+After the verify pass, `engine.step.verify` eagerly runs ~45 small launches: the rows'
+sampling parameters gathered and repeated, the main model's distributions (`sample_rows`), the
+J + 1 uniforms, `speculative.accept_drafts` (gathers, a cumulative product, the residual and its
+inverse-CDF draw), the next token's write and the result's gathers and casts. At decode sizes
+each costs its launch, not its bytes. `verify_accept` computes the same in one launch
+(kernels/accept_triton.py): the same distributions and acceptance decisions bit for bit, the
+residual's draw to the rounding of its fp64 scan. Where some row filters with top-k / top-p
+the eager path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from birkhoff.kernels import accept_triton as K
+from birkhoff.kernels.mhc_mix import check_inputs, pow2
+from birkhoff.kernels.sample import BV
+
+
+def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or (shape is not None and t.shape != shape):
+        want = f"of shape {shape}" if shape is not None else "1-D"
+        raise ValueError(f"verify_accept: {name} must be a contiguous {dtype} tensor {want}, got "
+                         f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+    if shape is None and t.dim() != 1:
+        raise ValueError(f"verify_accept: {name} must be 1-D, got {tuple(t.shape)}")
+
+
+@torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN",))
+def verify_accept(
+    logits_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, rows_A: Tensor, n_A: Tensor,
+    live_A: Tensor, temperature_R: Tensor, greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor,
+    trash: int, tags: int, sample_tag: int, accept_tag: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(accepted drafts a [A] int64, [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs)
+    for the main model's logits [A, T, V] at positions n..n+J of cache rows `rows_A`, the J
+    drafts [A, J] (int64) and the distributions q [A, J, V] (fp32) they were drawn from: exact
+    rejection sampling as `speculative.accept_drafts`, with row r's temperature_R / greedy_R and
+    the uniforms splitmix64(key_R[r] ^ (n * tags + tag)) of tags accept_tag + j and sample_tag,
+    as `rng.RequestRandom.uniform` draws them. The next token is also written to
+    tokens_BN[row, n + 1 + a] (column `trash` for rows whose live entry is 0)."""
+    check_inputs(logits_ATV)
+    if logits_ATV.dim() != 3 or drafts_AJ.dim() != 2:
+        raise ValueError(f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
+                         f"{tuple(logits_ATV.shape)} / {tuple(drafts_AJ.shape)}")  # fmt: skip
+    (A, T, V), J = logits_ATV.shape, drafts_AJ.shape[1]
+    if T != J + 1 or J < 1:
+        raise ValueError(f"verify_accept: {T} verified positions for {J} drafts (need J + 1)")
+    _check("q", q_AJV, torch.float32, (A, J, V))
+    _check("drafts", drafts_AJ, torch.long, (A, J))
+    for name, t in (("rows", rows_A), ("n", n_A)):
+        _check(name, t, torch.long, (A,))
+    tables = (("temperature", temperature_R, torch.float32), ("greedy", greedy_R, torch.bool),
+              ("key", key_R, torch.long))  # fmt: skip
+    for name, t, dtype in tables:
+        _check(name, t, dtype, None)
+    if live_A.shape != (A,):
+        raise ValueError(f"verify_accept: live must have {A} entries, got {tuple(live_A.shape)}")
+    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
+        raise ValueError(f"verify_accept: tokens must be a row-major [B, N] int64 tensor, got "
+                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
+    if not 0 <= trash < tokens_BN.shape[1]:
+        raise ValueError(f"verify_accept: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
+    num, out = _fake(logits_ATV, drafts_AJ)
+    if A and V:
+        scratch = logits_ATV.new_empty((2, A, T, V), dtype=torch.float32)  # logp, p
+        K.verify_accept[(A,)](
+            logits_ATV.contiguous(), q_AJV, drafts_AJ, rows_A, n_A, live_A.contiguous(),
+            temperature_R, greedy_R, key_R, tokens_BN, scratch[0], scratch[1], out, num, V, J,
+            tokens_BN.stride(0), trash, TAGS=tags, SAMPLE=sample_tag, ACCEPT=accept_tag,
+            BV=min(BV, max(16, pow2(V))), num_warps=4,
+        )  # fmt: skip
+    return num, out
+
+
+def _fake(logits_ATV: Tensor, drafts_AJ: Tensor) -> tuple[Tensor, Tensor]:
+    A, T = logits_ATV.shape[:2]
+    num = drafts_AJ.new_empty((A,), dtype=torch.long)
+    return num, logits_ATV.new_empty((A, 1 + 2 * T), dtype=torch.float64)
+
+
+@verify_accept.register_fake
+def _(logits_ATV, q_AJV, drafts_AJ, *args):  # type: ignore[no-untyped-def]
+    return _fake(logits_ATV, drafts_AJ)
