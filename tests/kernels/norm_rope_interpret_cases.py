@@ -122,7 +122,7 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
     # (one-token steps attend with their prologue folded in; verify and prefill chunks do not)
     ops = ("rope_cache", "decode_attention", "decode_attention_rope", "silu_mul", "mhc_entry",
            "mhc_entry_rest", "mhc_exit", "sample_next",
-           "decode_inputs", "verify_accept")  # fmt: skip
+           "chunk_inputs", "verify_accept")  # fmt: skip
     for op in ops:
         assert calls.seen[op] > 0, (op, calls.seen)
     # every mix out but the MTP merge's input projects for the entry after it, which reads that

@@ -14,7 +14,7 @@ from sample_cases import (
     check_sample_next,
     check_sample_rows,
 )
-from step_inputs_cases import INPUT_CASES, check_decode_inputs, check_decode_inputs_errors
+from step_inputs_cases import INPUT_CASES, check_chunk_inputs, check_chunk_inputs_errors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,12 +46,12 @@ def test_sample_next_equals_the_launches_it_replaces(case: tuple) -> None:
 
 
 @pytest.mark.parametrize("case", INPUT_CASES, ids=str)
-def test_decode_inputs_equal_the_gathers(case: tuple) -> None:
-    check_decode_inputs("cuda", *case)
+def test_chunk_inputs_equal_the_eager_ops(case: tuple) -> None:
+    check_chunk_inputs("cuda", case)
 
 
-def test_decode_inputs_errors() -> None:
-    check_decode_inputs_errors("cuda")
+def test_chunk_inputs_errors() -> None:
+    check_chunk_inputs_errors("cuda")
 
 
 @pytest.mark.parametrize("case", ACCEPT_CASES, ids=str)

@@ -91,25 +91,41 @@ def sample_at(
     return torch.stack((token_A.double(), logp_A.double()), dim=1), token_A, probs_AV
 
 
+def step_chunk(
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, start_A: Tensor | None,
+    end_A: Tensor | None, live_A: Tensor, T: int, limit: int, shift: int = 0,
+) -> tuple[Chunk, Tensor]:  # fmt: skip
+    """(the chunk of positions p = start + t, t < T (start 0 where None) of rows `rows_A`, real
+    where live and p < end (no bound where None), padding on the trash slot; the tokens at
+    p + shift, the trash slot's where padding). With fused kernels: one launch
+    (`kernels.step_inputs`)."""
+    trash, tokens_BN = ctx.cache.trash, ctx.rows.tokens_BN
+    if use_fused(live_A, ctx.cfg.mhc_kernels):
+        from birkhoff.kernels.step_inputs import chunk_inputs
+
+        slots_AT, valid_AT, cos, sin, tokens_AT = chunk_inputs(
+            start_A, end_A, live_A, rows_A, tokens_BN, *ctx.rope, trash, T, shift
+        )
+        return Chunk(rows_A, prefix, slots_AT, valid_AT, cos, sin, limit), tokens_AT
+    pos_AT = torch.arange(T, device=rows_A.device).expand(len(rows_A), T)
+    if start_A is not None:
+        pos_AT = start_A[:, None] + pos_AT
+    valid_AT = live_A.bool()[:, None].expand(len(rows_A), T)
+    if end_A is not None:
+        valid_AT = valid_AT & (pos_AT < end_A[:, None])
+    slots_AT = torch.where(valid_AT, pos_AT, trash)
+    chunk = chunk_at(rows_A, prefix, slots_AT, valid_AT, rope=ctx.rope, limit=limit)
+    return chunk, tokens_BN[rows_A[:, None], torch.where(valid_AT, pos_AT + shift, trash)]
+
+
 def plain_step(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
 ) -> Tensor:
     """One plain decode step (state [2, A]: n, live): [A, 2] fp64 of (next token, logprob)."""
-    n_A, trash = state_KA[0], ctx.cache.trash
-    if use_fused(n_A, ctx.cfg.mhc_kernels):  # the five gathers below in one launch
-        from birkhoff.kernels.step_inputs import decode_inputs
-
-        positions_A1, valid_A1, cos, sin, tokens_A1 = decode_inputs(
-            n_A, state_KA[1], rows_A, ctx.rows.tokens_BN, *ctx.rope, trash
-        )
-        chunk = Chunk(rows_A, prefix, positions_A1, valid_A1, cos, sin, limit)
-    else:
-        valid_A1 = state_KA[1].bool()[:, None]
-        positions_A1 = torch.where(valid_A1, n_A[:, None], trash)
-        chunk = chunk_at(rows_A, prefix, positions_A1, valid_A1, rope=ctx.rope, limit=limit)
-        tokens_A1 = ctx.rows.tokens_BN[rows_A[:, None], positions_A1]  # not live: trash slot's
+    n_A, live_A = state_KA[0], state_KA[1]
+    chunk, tokens_A1 = step_chunk(ctx, rows_A, prefix, n_A, None, live_A, 1, limit)
     _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
-    return sample_at(ctx, rows_A, n_A, valid_A1[:, 0], logits_A1V[:, 0], SAMPLE, 1)[0]
+    return sample_at(ctx, rows_A, n_A, chunk.valid_AT[:, 0], logits_A1V[:, 0], SAMPLE, 1)[0]
 
 
 def prefill_step(
@@ -120,14 +136,10 @@ def prefill_step(
     multistream into the drafter's depth-0 buffer, and the token after the prompt sampled at
     pending position L - 1, as `plain_step` returns it: [A, 2] fp64 of (token, logprob)."""
     len_A, live_A = state_KA[0], state_KA[1].bool()
-    pos_T = torch.arange(limit, device=rows_A.device)
-    valid_AT = live_A[:, None] & (pos_T[None, :] < len_A[:, None])
-    positions_AT = torch.where(valid_AT, pos_T, ctx.cache.trash)
-    chunk = chunk_at(rows_A, prefix, positions_AT, valid_AT, rope=ctx.rope, limit=limit)
-    tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(valid_AT, pos_T, 0)]
+    chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, None, len_A, live_A, limit, limit)
     ms_ATSD, hidden_ATD = main_forward(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
     if ctx.drafter is not None:
-        ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
+        ctx.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
     last_A = (len_A - 1).clamp(min=0)
     hidden_AD = hidden_ATD[torch.arange(len(rows_A), device=rows_A.device), last_A]
     logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
@@ -135,23 +147,21 @@ def prefill_step(
 
 
 def depth_pass(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, k: int, pos_AT: Tensor, ok_AT: Tensor,
-    limit: int,
+    ctx: StepContext, rows_A: Tensor, prefix: int | None, k: int, start_A: Tensor | None,
+    end_A: Tensor, live_A: Tensor, T: int, limit: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Draft depth k over cache positions `pos_AT` where `ok_AT` (the rest pads onto the trash
-    slot): reads h_{k-1} there, embeds t_{j+k} at position j, fills depth k's cache and, below
-    the last depth, stores h_k. Returns (h_k [A,T,S,D], lm_head input [A,T,D])."""
+    """Draft depth k over cache positions start..start+T-1 (start 0 where None) that are below
+    `end` in live rows (the rest pads onto the trash slot): reads h_{k-1} there, embeds t_{j+k}
+    at position j, fills depth k's cache and, below the last depth, stores h_k. Returns (h_k
+    [A,T,S,D], lm_head input [A,T,D])."""
     assert ctx.drafter is not None
-    positions_AT = torch.where(ok_AT, pos_AT, ctx.cache.trash)
-    chunk = chunk_at(rows_A, prefix, positions_AT, ok_AT, rope=ctx.rope, limit=limit)
-    # padding reads token slot 0 (ignored)
-    tokens_AT = ctx.rows.tokens_BN[rows_A[:, None], torch.where(ok_AT, pos_AT + k, 0)]
-    h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, positions_AT)
+    chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, start_A, end_A, live_A, T, limit, k)
+    h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
     h_ATSD, head_ATD = mtp_forward(
         ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk
     )
     if k < ctx.num_drafts:
-        ctx.drafter.streams.write(k, rows_A, positions_AT, h_ATSD)
+        ctx.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
     return h_ATSD, head_ATD
 
 
@@ -163,10 +173,8 @@ def catch_up_step(
     k positions) as one chunk of T = limit positions, so a later step recomputes at most J + k.
     Returns [A, 1] fp64: the positions depth 1 ran."""
     n_A, live_A = state_KA[0], state_KA[1].bool()
-    pos_1T = torch.arange(limit, device=rows_A.device)[None, :]
     for k in range(1, ctx.num_drafts + 1):
-        ok_AT = live_A[:, None] & (pos_1T < (n_A - k)[:, None])
-        depth_pass(ctx, rows_A, prefix, k, pos_1T, ok_AT, limit)
+        depth_pass(ctx, rows_A, prefix, k, None, n_A - k, live_A, limit, limit)
     return torch.where(live_A, n_A - 1, 0).clamp(min=0).double()[:, None]
 
 
@@ -182,9 +190,7 @@ def draft(
     for k in range(1, J + 1):
         start_A = valid_JB[k - 1, rows_A]
         T = ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
-        pos_AT = start_A[:, None] + torch.arange(T, device=device)
-        ok_AT = live_A[:, None] & (pos_AT < n_A[:, None])
-        _, head_ATD = depth_pass(ctx, rows_A, prefix, k, pos_AT, ok_AT, limit)
+        _, head_ATD = depth_pass(ctx, rows_A, prefix, k, start_A, n_A, live_A, T, limit)
         last_A = (n_A - 1 - start_A).clamp(0, T - 1)  # the offset of position n-1
         logits_AV = lm_head(
             head_ATD[torch.arange(len(rows_A), device=device), last_A], ctx.w, ctx.cfg
@@ -206,13 +212,9 @@ def verify(
     assert ctx.drafter is not None
     (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
     tokens_BN = ctx.rows.tokens_BN
-    pos_AT = n_A[:, None] + torch.arange(T, device=rows_A.device)
-    live_AT = live_A[:, None].expand(A, T)
-    positions_AT = torch.where(live_AT, pos_AT, trash)
-    chunk = chunk_at(rows_A, prefix, positions_AT, live_AT, rope=ctx.rope, limit=limit)
-    tokens_AT = tokens_BN[rows_A[:, None], torch.where(live_AT, pos_AT, 0)]
+    chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, n_A, None, live_A, T, limit)
     ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
-    ctx.drafter.streams.write(0, rows_A, positions_AT, ms_ATSD)
+    ctx.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
     fused_dtype = logits_ATV.dtype != torch.float64
     if use_fused(logits_ATV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
         from birkhoff.kernels.accept import verify_accept
