@@ -1,8 +1,8 @@
 """Shared checks of the fused verify tail (kernels/accept.py) against the launches it replaces
 (the rows' parameters gathered, the fused row arithmetic of sample_rows at every verified
-position, RequestRandom's uniforms, speculative.accept_drafts, the token's write and the
-result's gathers), run in the Triton interpreter on CPU (rng_interpret_cases.py) and on CUDA
-(test_rng_gpu.py).
+position, RequestRandom's uniforms, speculative.accept_drafts, the token's write, the result's
+gathers and the next step's n and draft starts), run in the Triton interpreter on CPU
+(rng_interpret_cases.py) and on CUDA (test_rng_gpu.py).
 
 Distributions, logprobs and acceptance decisions: the same bits. The next token: equal (the
 residual's fp64 scan runs in another order than torch's cumsum; the draws here would have to
@@ -49,7 +49,11 @@ def check_verify_accept(device: str, J: int, V: int, dtype: torch.dtype, agree: 
     tokens = torch.randint(0, V, (R, N), generator=g).to(dev)
     expected_tokens = tokens.clone()
     tables = (table.params.temperature_A, table.params.greedy_A, rng.keys_R)
-    num, out = verify_accept(logits, q, drafts, rows, n, live, *tables, tokens, trash, TAGS,
+    n_B = torch.randint(0, N, (R,), generator=g).to(dev)
+    starts = torch.randint(0, N, (J + 1, R), generator=g).to(dev)  # one depth more than used
+    state = (tokens, n_B, starts)
+    expected_n, expected_starts = n_B.clone(), starts.clone()
+    num, out = verify_accept(logits, q, drafts, rows, n, live, *tables, *state, trash, TAGS,
                              SAMPLE, ACCEPT)  # fmt: skip
     # the launches it replaces, as engine.step.verify ran them
     rs = table.select(rows, T, filtered=False)
@@ -64,11 +68,18 @@ def check_verify_accept(device: str, J: int, V: int, dtype: torch.dtype, agree: 
     ref = torch.cat((num_ref[:, None].double(), emitted.double(), logp_AT.double()), dim=1)
     assert torch.equal(num, num_ref) and torch.equal(out, ref)
     assert torch.equal(tokens, expected_tokens)
+    expected_n[rows] = torch.where(live, n + 1 + num_ref, n_B[rows])
+    depth = torch.arange(1, J + 1, device=dev)[:, None]
+    expected_starts[:J, rows] = torch.where(live, (n - depth + 1).clamp(min=0), starts[:J, rows])
+    assert torch.equal(n_B, expected_n) and torch.equal(starts, expected_starts)
     if agree:  # greedy rows take every draft of the argmax; some sampled rows reject
         assert (num[table.params.greedy_A[rows]] == J).all()
     with pytest.raises(ValueError, match="q must be a contiguous torch.float32"):
-        verify_accept(logits, q.double(), drafts, rows, n, live, *tables, tokens, trash, TAGS,
+        verify_accept(logits, q.double(), drafts, rows, n, live, *tables, *state, trash, TAGS,
                       SAMPLE, ACCEPT)  # fmt: skip
     with pytest.raises(ValueError, match="verified positions"):
-        verify_accept(logits[:, :J], q, drafts, rows, n, live, *tables, tokens, trash, TAGS,
+        verify_accept(logits[:, :J], q, drafts, rows, n, live, *tables, *state, trash, TAGS,
                       SAMPLE, ACCEPT)  # fmt: skip
+    with pytest.raises(ValueError, match="starts"):
+        verify_accept(logits, q, drafts, rows, n, live, *tables, tokens, n_B, starts[:, :2],
+                      trash, TAGS, SAMPLE, ACCEPT)  # fmt: skip

@@ -204,11 +204,13 @@ def draft(
 def verify(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, n_A: Tensor, live_A: Tensor,
     drafts_AJ: Tensor, q_AJV: Tensor, limit: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns (the
-    accepted drafts a [A], [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs (the first
-    a + 1 are real)). The next token goes to tokens_BN at n + 1 + a. With fused kernels and no
-    row filtering, everything after the model pass is one launch (`kernels.accept`)."""
+) -> Tensor:  # fmt: skip
+    """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns [A, 1 +
+    2T] fp64: the accepted drafts a, the T emitted tokens, their logprobs (the first a + 1 are
+    real). The next token goes to tokens_BN at n + 1 + a; for live rows, depth k's first
+    position to recompute becomes max(0, n - k + 1) (positions <= n - k used accepted tokens
+    only) and n becomes n + 1 + a: the next step's inputs, on the device. With fused kernels and
+    no row filtering, everything after the model pass is one launch (`kernels.accept`)."""
     assert ctx.drafter is not None
     (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
     tokens_BN = ctx.rows.tokens_BN
@@ -222,8 +224,9 @@ def verify(
         table = ctx.rows.sampling.params
         return verify_accept(
             logits_ATV, q_AJV, drafts_AJ, rows_A, n_A, live_A, table.temperature_A,
-            table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, SAMPLE, ACCEPT,
-        )  # fmt: skip
+            table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, ctx.rows.n_B, ctx.drafter.valid_JB,
+            trash, TAGS, SAMPLE, ACCEPT,
+        )[1]  # fmt: skip
     rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
     logp_AV, p_AV, _ = sample_tokens(logits_ATV.reshape(A * T, -1), rs, None)
     tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)
@@ -234,25 +237,21 @@ def verify(
     emitted_AT = torch.cat((drafts_AJ, next_A[:, None]), dim=1)
     emitted_AT[torch.arange(A, device=rows_A.device), num_acc_A] = next_A
     logp_AT = logp_AV.view(A, T, -1).gather(-1, emitted_AT[..., None]).squeeze(-1)
-    out = torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
-    return num_acc_A, out
+    depth_J1 = torch.arange(1, J + 1, device=rows_A.device)[:, None]  # the next step's inputs
+    valid_JA = ctx.drafter.valid_JB[:J, rows_A]
+    ctx.drafter.valid_JB[:J, rows_A] = torch.where(
+        live_A, (n_A - depth_J1 + 1).clamp(min=0), valid_JA
+    )
+    ctx.rows.n_B[rows_A] = torch.where(live_A, n_A + 1 + num_acc_A, n_A)
+    return torch.cat((num_acc_A[:, None].double(), emitted_AT.double(), logp_AT.double()), dim=1)
 
 
 def speculative_step(
     ctx: StepContext, rows_A: Tensor, prefix: int | None, state_KA: Tensor, limit: int
 ) -> Tensor:
     """Draft, verify, accept: one step of every row of `rows_A` (state [1, A]: live; see
-    `verify` for the result). Then, for live rows, depth k's first position to recompute
-    becomes max(0, n - k + 1) (positions <= n - k used accepted tokens only) and n becomes
-    n + 1 + a: the next step's inputs, on the device."""
+    `verify` for the result and the state it advances)."""
     assert ctx.drafter is not None
     live_A, n_A = state_KA[0].bool(), ctx.rows.n_B[rows_A]
     drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, n_A, live_A, limit)
-    num_acc_A, out = verify(ctx, rows_A, prefix, n_A, live_A, drafts_AJ, q_AJV, limit)
-    depth_J1 = torch.arange(1, ctx.num_drafts + 1, device=rows_A.device)[:, None]
-    valid_JA = ctx.drafter.valid_JB[: ctx.num_drafts, rows_A]
-    ctx.drafter.valid_JB[: ctx.num_drafts, rows_A] = torch.where(
-        live_A, (n_A - depth_J1 + 1).clamp(min=0), valid_JA
-    )
-    ctx.rows.n_B[rows_A] = torch.where(live_A, n_A + 1 + num_acc_A, n_A)
-    return out
+    return verify(ctx, rows_A, prefix, n_A, live_A, drafts_AJ, q_AJV, limit)

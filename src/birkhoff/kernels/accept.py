@@ -33,11 +33,11 @@ def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...] | No
         raise ValueError(f"verify_accept: {name} must be 1-D, got {tuple(t.shape)}")
 
 
-@torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN",))
+@torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN", "n_B", "starts_JB"))
 def verify_accept(
     logits_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, rows_A: Tensor, n_A: Tensor,
     live_A: Tensor, temperature_R: Tensor, greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor,
-    trash: int, tags: int, sample_tag: int, accept_tag: int,
+    n_B: Tensor, starts_JB: Tensor, trash: int, tags: int, sample_tag: int, accept_tag: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(accepted drafts a [A] int64, [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs)
     for the main model's logits [A, T, V] at positions n..n+J of cache rows `rows_A`, the J
@@ -45,7 +45,9 @@ def verify_accept(
     rejection sampling as `speculative.accept_drafts`, with row r's temperature_R / greedy_R and
     the uniforms splitmix64(key_R[r] ^ (n * tags + tag)) of tags accept_tag + j and sample_tag,
     as `rng.RequestRandom.uniform` draws them. The next token is also written to
-    tokens_BN[row, n + 1 + a] (column `trash` for rows whose live entry is 0)."""
+    tokens_BN[row, n + 1 + a] (column `trash` for rows whose live entry is 0), and a live row's
+    next step reads n_B[row] = n + 1 + a and starts_JB[k - 1, row] = max(0, n - k + 1) for
+    k = 1..J (int64; the first position draft depth k recomputes)."""
     check_inputs(logits_ATV)
     if logits_ATV.dim() != 3 or drafts_AJ.dim() != 2:
         raise ValueError(f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
@@ -68,13 +70,21 @@ def verify_accept(
                          f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
     if not 0 <= trash < tokens_BN.shape[1]:
         raise ValueError(f"verify_accept: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
+    _check("n_B", n_B, torch.long, None)
+    if starts_JB.dtype != torch.long or starts_JB.dim() != 2 or starts_JB.stride(1) != 1:
+        raise ValueError(f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
+                         f"{starts_JB.dtype}{tuple(starts_JB.shape)}")  # fmt: skip
+    if starts_JB.shape[0] < J or starts_JB.shape[1] != n_B.shape[0]:
+        raise ValueError(f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and "
+                         f"{n_B.shape[0]} rows")  # fmt: skip
     num, out = _fake(logits_ATV, drafts_AJ)
     if A and V:
         scratch = logits_ATV.new_empty((2, A, T, V), dtype=torch.float32)  # logp, p
         K.verify_accept[(A,)](
             logits_ATV.contiguous(), q_AJV, drafts_AJ, rows_A, n_A, live_A.contiguous(),
-            temperature_R, greedy_R, key_R, tokens_BN, scratch[0], scratch[1], out, num, V, J,
-            tokens_BN.stride(0), trash, TAGS=tags, SAMPLE=sample_tag, ACCEPT=accept_tag,
+            temperature_R, greedy_R, key_R, tokens_BN, n_B, starts_JB, scratch[0], scratch[1],
+            out, num, V, J, tokens_BN.stride(0), starts_JB.stride(0), trash, TAGS=tags,
+            SAMPLE=sample_tag, ACCEPT=accept_tag,
             BV=min(BV, max(16, pow2(V))), num_warps=4,
         )  # fmt: skip
     return num, out

@@ -15,9 +15,11 @@ entries a block.
    is empty), by the inverse CDF with u from splitmix64(key ^ (n * TAGS + SAMPLE)): an fp64
    scan for the total, then the same scan again counting the entries whose cumulative mass is
    <= u * total and those < total (`rng.sample_inverse_cdf`'s clamp);
-4. the next token into tokens[row, n + 1 + a] (the trash slot for rows that are not live) and
+4. the next token into tokens[row, n + 1 + a] (the trash slot for rows that are not live),
    out[a] = (a, the T emitted tokens: the drafts with the next token at a and at J, their logp
-   from the scratch rows) as fp64.
+   from the scratch rows) as fp64, and for live rows the next step's inputs: n_rows[row] = n +
+   1 + a, and starts[k - 1, row] = max(0, n - k + 1), draft depth k's first position to
+   recompute.
 The logp and p are sample_rows' bits; the residual's scan runs in another order than torch's
 cumsum, so a token can differ only where u * total falls within rounding of a boundary.
 """
@@ -42,8 +44,9 @@ def _residual(p_row, q_row, v, V, has_q, use_p):
 @triton.jit
 def verify_accept(
     logits_ptr, q_ptr, drafts_ptr, rows_ptr, n_ptr, live_ptr, temp_ptr, greedy_ptr, key_ptr,
-    tokens_ptr, logp_ptr, probs_ptr, out_ptr, num_ptr, V, J, stride_tokens, trash,
-    TAGS: tl.constexpr, SAMPLE: tl.constexpr, ACCEPT: tl.constexpr, BV: tl.constexpr,
+    tokens_ptr, n_rows_ptr, starts_ptr, logp_ptr, probs_ptr, out_ptr, num_ptr, V, J,
+    stride_tokens, stride_starts, trash, TAGS: tl.constexpr, SAMPLE: tl.constexpr,
+    ACCEPT: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     a = tl.program_id(0).to(tl.int64)
     T = J + 1
@@ -95,6 +98,11 @@ def verify_accept(
     token = tl.minimum(below, short)
     slot = tl.where(live, n + 1 + num, trash)
     tl.store(tokens_ptr + row * stride_tokens + slot, token)
+    live_1 = tl.where(live, one == 0, False)  # a [1] mask (the interpreter's scalar & is an int)
+    tl.store(n_rows_ptr + row + one, n + 1 + num, mask=live_1)
+    for k in range(1, J + 1):
+        start = tl.maximum(n - k + 1, 0)
+        tl.store(starts_ptr + (k - 1) * stride_starts + row + one, start, mask=live_1)
     tl.store(num_ptr + a + one, num)
     res = out_ptr + a * (1 + 2 * T)
     tl.store(res + one, num.to(tl.float64))
