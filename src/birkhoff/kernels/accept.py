@@ -21,16 +21,13 @@ from torch import Tensor
 
 from birkhoff.kernels import accept_triton as K
 from birkhoff.kernels.mhc_mix import check_inputs, pow2
-from birkhoff.kernels.sample import BV
+from birkhoff.kernels.sample import BV, check_step_rows, check_tokens, check_vector
 
 
-def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None) -> None:
-    if t.dtype != dtype or not t.is_contiguous() or (shape is not None and t.shape != shape):
-        want = f"of shape {shape}" if shape is not None else "1-D"
-        raise ValueError(f"verify_accept: {name} must be a contiguous {dtype} tensor {want}, got "
-                         f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
-    if shape is None and t.dim() != 1:
-        raise ValueError(f"verify_accept: {name} must be 1-D, got {tuple(t.shape)}")
+def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
+        raise ValueError(f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
+                         f"{shape}, got {t.dtype}{tuple(t.shape)}")  # fmt: skip
 
 
 @torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN", "n_B", "starts_JB"))
@@ -57,20 +54,9 @@ def verify_accept(
         raise ValueError(f"verify_accept: {T} verified positions for {J} drafts (need J + 1)")
     _check("q", q_AJV, torch.float32, (A, J, V))
     _check("drafts", drafts_AJ, torch.long, (A, J))
-    for name, t in (("rows", rows_A), ("n", n_A)):
-        _check(name, t, torch.long, (A,))
-    tables = (("temperature", temperature_R, torch.float32), ("greedy", greedy_R, torch.bool),
-              ("key", key_R, torch.long))  # fmt: skip
-    for name, t, dtype in tables:
-        _check(name, t, dtype, None)
-    if live_A.shape != (A,):
-        raise ValueError(f"verify_accept: live must have {A} entries, got {tuple(live_A.shape)}")
-    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
-        raise ValueError(f"verify_accept: tokens must be a row-major [B, N] int64 tensor, got "
-                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
-    if not 0 <= trash < tokens_BN.shape[1]:
-        raise ValueError(f"verify_accept: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
-    _check("n_B", n_B, torch.long, None)
+    check_step_rows("verify_accept", A, rows_A, n_A, live_A, temperature_R, greedy_R, key_R)
+    check_tokens("verify_accept", tokens_BN, trash)
+    check_vector("verify_accept", "n_B", n_B, torch.long, None)
     if starts_JB.dtype != torch.long or starts_JB.dim() != 2 or starts_JB.stride(1) != 1:
         raise ValueError(f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
                          f"{starts_JB.dtype}{tuple(starts_JB.shape)}")  # fmt: skip

@@ -66,6 +66,42 @@ def _(logits_NV, temperature_N, greedy_N, u_N):  # type: ignore[no-untyped-def]
     return logp, torch.empty_like(logp), logits_NV.new_empty((N,), dtype=torch.long)
 
 
+def check_vector(op: str, name: str, t: Tensor, dtype: torch.dtype, size: int | None) -> None:
+    """Raise ValueError unless t is a contiguous 1-D `dtype` tensor (of `size` entries)."""
+    bad_size = t.dim() == 1 and size is not None and t.shape[0] != size
+    if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or bad_size:
+        raise ValueError(f"{op}: {name} must be a contiguous 1-D {dtype} tensor"
+                         f"{'' if size is None else f' of {size} entries'}, got "
+                         f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+
+
+def check_step_rows(
+    op: str, A: int, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
+    greedy_R: Tensor, key_R: Tensor,
+) -> None:  # fmt: skip
+    """The checks of a sampling site's per-row inputs and the engine's per-row tables."""
+    for name, t in (("rows", rows_A), ("n", n_A)):
+        check_vector(op, name, t, torch.long, A)
+    tables = (("temperature", temperature_R, torch.float32), ("greedy", greedy_R, torch.bool),
+              ("key", key_R, torch.long))  # fmt: skip
+    for name, t, dtype in tables:
+        check_vector(op, name, t, dtype, None)
+    if live_A.shape != (A,):
+        raise ValueError(f"{op}: live must have {A} entries, got {tuple(live_A.shape)}")
+
+
+def check_tokens(op: str, tokens_BN: Tensor, trash: int, positions: int | None = None) -> None:
+    """Raise ValueError unless tokens_BN is a row-major [B, N] int64 buffer holding the trash
+    slot (and so do `positions` table rows, where given)."""
+    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
+        raise ValueError(f"{op}: tokens must be a row-major [B, N] int64 tensor, got "
+                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
+    N = min(tokens_BN.shape[1], tokens_BN.shape[1] if positions is None else positions)
+    if not 0 <= trash < N:
+        raise ValueError(f"{op}: trash slot {trash} outside the {N} positions of the tokens"
+                         f"{'' if positions is None else ' and the tables'}")  # fmt: skip
+
+
 @torch.library.custom_op("birkhoff::sample_next", mutates_args=("tokens_BN",))
 def sample_next(
     logits_AV: Tensor, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
@@ -83,22 +119,8 @@ def sample_next(
     if logits_AV.dim() != 2:
         raise ValueError(f"sample_next: logits must be [A, V], got {tuple(logits_AV.shape)}")
     A, V = logits_AV.shape
-    wanted = (("rows", rows_A, torch.long, A), ("n", n_A, torch.long, A),
-              ("temperature", temperature_R, torch.float32, None),
-              ("greedy", greedy_R, torch.bool, None), ("key", key_R, torch.long, None))  # fmt: skip
-    for name, t, dtype, size in wanted:
-        bad_size = size is not None and t.shape[0] != size
-        if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or bad_size:
-            raise ValueError(f"sample_next: {name} must be a contiguous 1-D {dtype} tensor"
-                             f"{'' if size is None else f' of {size} entries'}, got "
-                             f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
-    if live_A.shape != (A,):
-        raise ValueError(f"sample_next: live must have {A} entries, got {tuple(live_A.shape)}")
-    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
-        raise ValueError(f"sample_next: tokens must be a row-major [B, N] int64 tensor, got "
-                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
-    if not 0 <= trash < tokens_BN.shape[1]:
-        raise ValueError(f"sample_next: trash slot {trash} outside tokens' {tokens_BN.shape[1]}")
+    check_step_rows("sample_next", A, rows_A, n_A, live_A, temperature_R, greedy_R, key_R)
+    check_tokens("sample_next", tokens_BN, trash)
     out, token, logp, probs = _sample_next_fake(logits_AV)
     if A and V:
         K.sample_next[(A,)](

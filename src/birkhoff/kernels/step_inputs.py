@@ -18,6 +18,7 @@ from torch import Tensor
 
 from birkhoff.kernels import step_inputs_triton as K
 from birkhoff.kernels.mhc_mix import INTERPRET, pow2
+from birkhoff.kernels.sample import check_tokens
 
 POSITIONS = 16  # positions a program, at most
 
@@ -44,13 +45,7 @@ def chunk_inputs(
     if cos_NK2.dim() != 2 or sin_NK2.shape != cos_NK2.shape:
         raise ValueError(f"chunk_inputs: rope tables {tuple(cos_NK2.shape)} / "
                          f"{tuple(sin_NK2.shape)} must be one [N, K2] shape")  # fmt: skip
-    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
-        raise ValueError(f"chunk_inputs: tokens must be a row-major [B, N] int64 tensor, got "
-                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
-    if not 0 <= trash < min(tokens_BN.shape[1], cos_NK2.shape[0]):
-        raise ValueError(f"chunk_inputs: trash slot {trash} outside the tokens' "
-                         f"{tokens_BN.shape[1]} or the tables' {cos_NK2.shape[0]} "
-                         "positions")  # fmt: skip
+    check_tokens("chunk_inputs", tokens_BN, trash, cos_NK2.shape[0])
     if T < 1:
         raise ValueError(f"chunk_inputs: T = {T} positions, need >= 1")
     outs = _fake(start_A, end_A, live_A, rows_A, tokens_BN, cos_NK2, sin_NK2, trash, T, shift)
