@@ -112,11 +112,11 @@ def check_heads_kernel(device: str, case: tuple, hb: int, bn: int, monkeypatch) 
 
 
 def check_attention_rope(device: str, case: tuple) -> None:
-    """One token a row: `decode_attention_rope` on the raw projections against `rope_cache` then
-    `decode_attention`: the same caches, bit for bit, except the trash slot that a padded row's
-    token writes only through rope_cache; the same output bits through the per-head kernel, and
-    within the SDPA tolerance through the several-heads kernel (which takes the new key from
-    registers, first, so it sums in another order)."""
+    """A chunk of decode size: `decode_attention_rope` on the raw projections against
+    `rope_cache` then `decode_attention`: the same caches, bit for bit, except the trash slot
+    that a padded token writes only through rope_cache; the same output bits through the
+    per-head kernel, and within the SDPA tolerance through the several-heads kernel (T = 1,
+    which takes the new key from registers, first, so it sums in another order)."""
     from birkhoff.kernels.attention import decode_attention, decode_attention_rope, heads_kernel
     from birkhoff.kernels.norm_rope import rope_cache
 
@@ -124,13 +124,13 @@ def check_attention_rope(device: str, case: tuple) -> None:
     q, k, v, rows_A, positions_AT, valid_AT, limit = make_case(device, case)
     g = torch.Generator().manual_seed(1)
     A = q.shape[0]
-    # the new token's projections as views of one fused qkv row, as the engine passes them
-    qkv = torch.randn(A, 1, (H + 2 * G) * K, generator=g).to(dt).to(device)
+    # the new tokens' projections as views of one fused qkv row, as the engine passes them
+    qkv = torch.randn(A, T, (H + 2 * G) * K, generator=g).to(dt).to(device)
     q_new, k_new, v_new = qkv.split([H * K, G * K, G * K], -1)
-    q_new, k_new, v_new = q_new.view(A, 1, H, K), k_new.view(A, 1, G, K), v_new.view(A, 1, G, K)
-    theta = 100 * torch.rand(A, 1, K // 2, generator=g, dtype=torch.float64)
+    q_new, k_new, v_new = q_new.view(A, T, H, K), k_new.view(A, T, G, K), v_new.view(A, T, G, K)
+    theta = 100 * torch.rand(A, T, K // 2, generator=g, dtype=torch.float64)
     cos, sin = theta.cos().to(device), theta.sin().to(device)
-    if A > 1:  # a padded row (a CUDA graph's bucket): its token points at the trash slot
+    if A > 1 and T == 1:  # a padded row (a CUDA graph's bucket): its token points at the trash
         valid_AT[1], positions_AT[1] = False, N - 1
     k_ref, v_ref = k.clone(), v.clone()
     with torch.no_grad():
@@ -139,8 +139,8 @@ def check_attention_rope(device: str, case: tuple) -> None:
         got = decode_attention_rope(
             q_new, k_new, v_new, cos, sin, k, v, rows_A, positions_AT, valid_AT, limit
         )
-    real = valid_AT[:, 0]
-    if heads_kernel(q.shape[0], 1, H, G):
+    real = valid_AT
+    if heads_kernel(q.shape[0], T, H, G):
         ref = reference(q_rot, k_ref, v_ref, rows_A, positions_AT, limit)
         for other in (want, ref):
             assert (got[real].float() - other[real].float()).abs().max().item() <= TOL[dt]

@@ -87,10 +87,7 @@ def test_decode_attention_reads_strided_positions_and_a_broadcast_live_flag(case
     check_strided_positions("cpu", case)
 
 
-ROPE_CASES = [c for c in CASES if c[1] == 1]  # one token a row: decode and draft steps
-
-
-@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> None:
     check_attention_rope("cpu", case)
 
@@ -111,7 +108,7 @@ def test_decode_attention_rope_rejects_bad_shapes() -> None:
     q, k = torch.randn(2, 1, 4, 16), torch.randn(3, 4, 32, 16)
     new, cos = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 8)
     rows, pos, valid = torch.arange(2), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).bool()
-    with pytest.raises(ValueError, match="one token a row"):
+    with pytest.raises(ValueError, match="the chunk's q, k and v"):  # 2 query tokens, 1 key
         decode_attention_rope(q.expand(2, 2, 4, 16), new, new, cos, cos, k, k, rows, pos, valid, 8)
     with pytest.raises(ValueError, match=r"angles \(2, 1, 4\)"):
         decode_attention_rope(q, new, new, cos[..., :4], cos[..., :4], k, k, rows, pos, valid, 8)

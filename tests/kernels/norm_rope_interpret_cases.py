@@ -119,17 +119,17 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
         engine.generate([[6, 7]], SamplingParams(3))
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
-    # (one-token steps attend with their prologue folded in; verify and prefill chunks do not)
-    ops = ("rope_cache", "decode_attention", "decode_attention_rope", "silu_mul", "mhc_entry",
-           "mhc_entry_rest", "mhc_exit", "sample_next",
-           "chunk_inputs", "verify_accept")  # fmt: skip
+    # (chunks of decode size, short prompts too, attend with their prologue folded in)
+    ops = ("decode_attention_rope", "silu_mul", "mhc_entry", "mhc_entry_rest", "mhc_exit",
+           "sample_next", "chunk_inputs", "verify_accept")  # fmt: skip
     for op in ops:
         assert calls.seen[op] > 0, (op, calls.seen)
     # every mix out but the MTP merge's input projects for the entry after it, which reads that
     assert calls.seen["mhc_entry from mhc_exit"] == calls.seen["mhc_exit"], calls.seen
     assert calls.seen["mhc_exit"] == calls.seen["mhc_entry_rest"], calls.seen
     assert (1, 3 * D, D) in calls.gemv_shapes  # a batch-1 decode step's fused qkv
-    assert calls.seen["rope"] == 0  # the prologue replaced the separate rope launches
+    # the prologue replaced the separate rope, cache-write and attention launches
+    assert calls.seen["rope"] == calls.seen["rope_cache"] == calls.seen["decode_attention"] == 0
 
 
 @pytest.mark.parametrize("case", GEMV_CASES, ids=str)

@@ -44,7 +44,7 @@ def test_decode_attention_heads_kernel(
     check_heads_kernel("cuda", case, hb, bn, monkeypatch)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 1], ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_decode_attention_rope_equals_rope_cache_then_attention(case: tuple) -> None:
     check_attention_rope("cuda", case)
 

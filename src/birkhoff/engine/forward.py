@@ -20,10 +20,10 @@ norm after the projection as one launch; H_post and H_res on a side stream besid
 mix out also projects the new streams for the next entry's coefficients.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots
 0..limit-1; GQA uses SDPA's `enable_gqa` (kv head = query head // group, as the trainer's
-repeat_interleave). With fused kernels, one launch ropes q and k and writes k and v into the
-cache (`kernels.norm_rope.rope_cache`), and chunks of decode size (decode, verify and draft
-steps, short prompts) attend with `kernels.attention`: the same attention, reading each row's
-live prefix in place.
+repeat_interleave). With fused kernels, chunks of decode size (decode, verify and draft steps,
+short prompts) rope q and k, write k and v into the cache and attend in one launch
+(`kernels.attention.decode_attention_rope`: the same attention, reading each row's live prefix
+in place); larger ones rope and write in one launch (`kernels.norm_rope.rope_cache`), then SDPA.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def attention(
         q_ATHK = rms_norm(q_ATHK, w[attn + "q_norm.weight"], cfg.norm_eps, kernels=kernels)
         k_ATGK = rms_norm(k_ATGK, w[attn + "k_norm.weight"], cfg.norm_eps, kernels=kernels)
     fused, v_ATGK = use_fused(q_ATHK, kernels), v.view(A, T, G, K)
-    if fused and T == 1 and H // G <= DECODE_QUERIES:  # rope, cache write, attention: one launch
+    if fused and T * (H // G) <= DECODE_QUERIES:  # rope, cache write, attention: one launch
         from birkhoff.kernels.attention import decode_attention_rope
 
         k_BGNK, v_BGNK = cache.read(layer, chunk.limit)
@@ -127,9 +127,9 @@ def rope_and_attend(
     q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cache: KVCache, layer: int, chunk: Chunk,
     fused: bool,
 ) -> Tensor:  # fmt: skip
-    """Rope, the cache write and the attention of a chunk of several tokens a row (or eager)."""
-    A, T, H, K = q_ATHK.shape
-    G = k_ATGK.shape[2]
+    """Rope, the cache write and SDPA over the cache: chunks beyond decode size (prefills), or
+    eager."""
+    H, G = q_ATHK.shape[2], k_ATGK.shape[2]
     if fused:  # one launch: rope of q and k, k and v into the cache
         from birkhoff.kernels.norm_rope import rope_cache
 
@@ -140,13 +140,6 @@ def rope_and_attend(
         q_ATHK = apply_rope(q_ATHK, chunk.cos_ATK, chunk.sin_ATK, kernels="eager")
         k_ATGK = apply_rope(k_ATGK, chunk.cos_ATK, chunk.sin_ATK, kernels="eager")
         cache.write(layer, chunk.rows_A, chunk.positions_AT, k_ATGK, v_ATGK)
-    if fused and T * (H // G) <= DECODE_QUERIES:
-        from birkhoff.kernels.attention import decode_attention
-
-        k_BGNK, v_BGNK = cache.read(layer, chunk.limit)  # rows read in place, live prefix only
-        return decode_attention(
-            q_ATHK, k_BGNK, v_BGNK, chunk.rows_A, chunk.positions_AT, chunk.valid_AT, chunk.limit
-        )
     k_AGNK, v_AGNK = read_cache(cache, layer, chunk)
     return F.scaled_dot_product_attention(
         q_ATHK.transpose(1, 2), k_AGNK, v_AGNK, attn_mask=chunk.mask_A1TN, enable_gqa=H != G

@@ -11,9 +11,9 @@ what its key bucket costs: the mask's whole [A, 1, T, limit] and every row's key
 bucket, live or not (at batch 256 it was a third of a step). This op instead stops each row at
 its own last real position, splits long key ranges over programs (flash-decoding), and reads
 the cache rows in place (no gather of `rows_A`). `birkhoff::decode_attention_rope` is the same
-op for one token a row with the layer's prologue folded in (rope of q and k, k and v into the
-cache: `norm_rope.rope_cache`'s work, in the same arithmetic), one launch a layer where a decode
-step had two.
+op with the layer's prologue folded in (rope of q and k, k and v into the cache:
+`norm_rope.rope_cache`'s work, in the same arithmetic), one launch a layer where a decode,
+draft or verify step had two.
 """
 
 from __future__ import annotations
@@ -56,29 +56,29 @@ def decode_attention(
 
 @torch.library.custom_op("birkhoff::decode_attention_rope", mutates_args=("k_BGNK", "v_BGNK"))
 def decode_attention_rope(
-    q_A1HK: Tensor, k_A1GK: Tensor, v_A1GK: Tensor, cos_A1K2: Tensor, sin_A1K2: Tensor,
-    k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_A1: Tensor, valid_A1: Tensor,
+    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cos_ATK2: Tensor, sin_ATK2: Tensor,
+    k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor, valid_AT: Tensor,
     limit: int,
 ) -> Tensor:  # fmt: skip
-    """`norm_rope.rope_cache` then `decode_attention` in one launch, for one token a row (a
-    decode or draft step): q and k are the token's raw projections (views of the fused qkv
-    projection may be passed), rotated here; k and v are written into the caches at
-    (rows_A[a], positions_A1[a]) for real tokens at positions < limit (a padded token writes
+    """`norm_rope.rope_cache` then `decode_attention` in one launch, for a chunk of decode size
+    (a decode, draft or verify step): q and k are the tokens' raw projections (views of the
+    fused qkv projection may be passed), rotated here; k and v are written into the caches at
+    (rows_A[a], positions_AT[a, t]) for real tokens at positions < limit (a padded token writes
     nothing: rope_cache would write it to the trash slot, which no query reads)."""
-    A, T, H, K = q_A1HK.shape
-    G = k_A1GK.shape[2]
-    if T != 1 or K % 2 or k_A1GK.shape != (A, 1, G, K) or v_A1GK.shape != (A, 1, G, K):
-        raise ValueError(f"decode_attention_rope: one token a row with an even head dim, got "
-                         f"q {tuple(q_A1HK.shape)}, k {tuple(k_A1GK.shape)}, "
-                         f"v {tuple(v_A1GK.shape)}")  # fmt: skip
-    if cos_A1K2.shape != (A, 1, K // 2) or sin_A1K2.shape != cos_A1K2.shape:
-        raise ValueError(f"decode_attention_rope: angles {tuple(cos_A1K2.shape)} / "
-                         f"{tuple(sin_A1K2.shape)}, expected {(A, 1, K // 2)}")  # fmt: skip
-    check_inputs(k_A1GK, v_A1GK)
-    if k_A1GK.stride(-1) != 1 or v_A1GK.stride(-1) != 1:
+    A, T, H, K = q_ATHK.shape
+    G = k_ATGK.shape[2]
+    if K % 2 or k_ATGK.shape != (A, T, G, K) or v_ATGK.shape != (A, T, G, K):
+        raise ValueError(f"decode_attention_rope: the chunk's q, k and v with an even head dim, "
+                         f"got q {tuple(q_ATHK.shape)}, k {tuple(k_ATGK.shape)}, "
+                         f"v {tuple(v_ATGK.shape)}")  # fmt: skip
+    if cos_ATK2.shape != (A, T, K // 2) or sin_ATK2.shape != cos_ATK2.shape:
+        raise ValueError(f"decode_attention_rope: angles {tuple(cos_ATK2.shape)} / "
+                         f"{tuple(sin_ATK2.shape)}, expected {(A, T, K // 2)}")  # fmt: skip
+    check_inputs(k_ATGK, v_ATGK)
+    if k_ATGK.stride(-1) != 1 or v_ATGK.stride(-1) != 1:
         raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
-    rope = (k_A1GK, v_A1GK, cos_A1K2.contiguous(), sin_A1K2.contiguous())
-    return _attend(q_A1HK, k_BGNK, v_BGNK, rows_A, positions_A1, valid_A1, limit, rope)
+    rope = (k_ATGK, v_ATGK, cos_ATK2.contiguous(), sin_ATK2.contiguous())
+    return _attend(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit, rope)
 
 
 def heads_kernel(A: int, T: int, H: int, G: int) -> bool:
@@ -139,7 +139,8 @@ def _attend(
             q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
             k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
             v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
+            k_new.stride(0), k_new.stride(1), k_new.stride(2),
+            v_new.stride(0), v_new.stride(1), v_new.stride(2),
             SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
             DIRECT=direct, PRECISION=precision,
             DOT_FP32=INTERPRET, ROPE=rope is not None, **CONFIG,
@@ -157,5 +158,5 @@ def _(q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, limit):  # type: i
 
 
 @decode_attention_rope.register_fake
-def _(q_A1HK, k_A1GK, v_A1GK, cos, sin, k_BGNK, v_BGNK, rows_A, positions, valid, limit):  # type: ignore[no-untyped-def]  # noqa: E501
-    return torch.empty_like(q_A1HK, memory_format=torch.contiguous_format)
+def _(q_ATHK, k_ATGK, v_ATGK, cos, sin, k_BGNK, v_BGNK, rows_A, positions, valid, limit):  # type: ignore[no-untyped-def]  # noqa: E501
+    return torch.empty_like(q_ATHK, memory_format=torch.contiguous_format)

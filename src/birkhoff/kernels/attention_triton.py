@@ -8,12 +8,12 @@ P splits of the key range.
   row's M query vectors once, walks its split's keys in BN-key blocks up to the row's end (the
   largest query position + 1 of its real tokens: the live prefix, not the cache bucket) with an
   online softmax in fp32, and writes either the normalised output (one split) or its
-  unnormalised accumulator with the running max and sum (several splits). With ROPE (T = 1:
-  a decode or draft step) it takes the raw q, k and v of the token and does `rope_cache`'s
-  work first: q and k rotated by the token's angles, and the program whose split holds the
-  token's position stores k and v into the cache there before its walk reads them (a barrier
-  orders the stores before the loads; no other program reads that position), so one launch
-  replaces two.
+  unnormalised accumulator with the running max and sum (several splits). With ROPE (a
+  decode, draft or verify step) it takes the raw q, k and v of the chunk's tokens and does
+  `rope_cache`'s work first: q and k rotated by their tokens' angles, and the program whose
+  split holds a token's position stores its k and v into the cache there before its walk
+  reads them (a barrier orders the stores before the loads; no other program reads that
+  position), so one launch replaces two.
 - `decode_attention_heads`: the same for T = 1 and H = G (a plain decode step without GQA),
   one program per (row, HB kv heads, split): query row m is head m's, and a block's BN key
   columns are BN / HB keys of each head, masked to their own head's row (a block-diagonal
@@ -93,7 +93,7 @@ def decode_attention_fwd(
     kn_ptr, vn_ptr, cos_ptr, sin_ptr,
     T, R, G, H, K, limit, scale, P,
     sp_a, sp_t, sr_a, sr_t, sq_a, sq_t, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-    skn_a, skn_g, svn_a, svn_g,
+    skn_a, skn_t, skn_g, svn_a, svn_t, svn_g,
     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     ROPE: tl.constexpr,
@@ -119,19 +119,24 @@ def decode_attention_fwd(
     row = tl.load(rows_ptr + a).to(tl.int64)
     k_base = k_ptr + row * sk_b + g * sk_g
     v_base = v_ptr + row * sv_b + g * sv_g
-    if ROPE:  # T = 1: rope_cache's work first, then the same walk over the cache
-        # every program rotates the token's key (its loads need not wait for the position);
-        # the program whose split holds the position stores the key and value there (no other
+    if ROPE:  # rope_cache's work first, then the same walk over the cache
+        # every program rotates the chunk's keys (their loads need not wait for the positions);
+        # the program whose split holds a position stores that key and value there (no other
         # program reads it), and the barrier orders those stores before the walk's loads
-        cos, sin = _angles(cos_ptr, sin_ptr, a.to(tl.int64), d, K // 2)
-        k_new = _rotated(kn_ptr, a.to(tl.int64) * skn_a + g * skn_g, d, d_ok, K // 2, cos, sin)
-        v_new = tl.load(vn_ptr + a.to(tl.int64) * svn_a + g * svn_g + d, mask=d_ok, other=0.0)
-        pos = tl.load(pos_ptr + a * sp_a)
-        writes = (tl.load(valid_ptr + a * sr_a) != 0) & (pos < limit) & (pos // SPLIT == s)
-        own = tl.where(writes, d_ok, False)  # (the interpreter's scalar & gives an int mask)
-        tl.store(k_base + pos.to(tl.int64) * sk_n + d, k_new.to(k_ptr.dtype.element_ty), own)
-        tl.store(v_base + pos.to(tl.int64) * sv_n + d, v_new, mask=own)
-        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos[None, :], sin[None, :])
+        a64, t_ok = a.to(tl.int64), t_all < T
+        cos, sin = _angles(cos_ptr, sin_ptr, (a64 * T + t_all)[:, None], d[None, :], K // 2)
+        new_ok = t_ok[:, None] & d_ok[None, :]
+        k_new = _rotated(kn_ptr, (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None], d[None, :],
+                         new_ok, K // 2, cos, sin)  # fmt: skip
+        v_new = tl.load(vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None] + d[None, :],
+                        mask=new_ok, other=0.0)  # fmt: skip
+        writes = real_t & (pos_t < limit) & (pos_t // SPLIT == s)
+        own = writes[:, None] & d_ok[None, :]
+        slot = pos_t.to(tl.int64)[:, None]
+        tl.store(k_base + slot * sk_n + d[None, :], k_new.to(k_ptr.dtype.element_ty), own)
+        tl.store(v_base + slot * sv_n + d[None, :], v_new, mask=own)
+        cos_m, sin_m = _angles(cos_ptr, sin_ptr, (a64 * T + t_m)[:, None], d[None, :], K // 2)
+        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos_m, sin_m)
         q = q.to(q_ptr.dtype.element_ty)
         tl.debug_barrier()
     else:
