@@ -185,16 +185,15 @@ def draft(
     """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
     valid_JB[k-1] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
     assert ctx.drafter is not None
-    J, device, valid_JB = ctx.num_drafts, rows_A.device, ctx.drafter.valid_JB
+    J, valid_JB, n_last_A = ctx.num_drafts, ctx.drafter.valid_JB, n_A - 1
     drafts, qs = [], []
     for k in range(1, J + 1):
-        start_A = valid_JB[k - 1, rows_A]
+        start_A = valid_JB[k - 1, :prefix] if prefix is not None else valid_JB[k - 1, rows_A]
         T = ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
         _, head_ATD = depth_pass(ctx, rows_A, prefix, k, start_A, n_A, live_A, T, limit)
-        last_A = (n_A - 1 - start_A).clamp(0, T - 1)  # the offset of position n-1
-        logits_AV = lm_head(
-            head_ATD[torch.arange(len(rows_A), device=device), last_A], ctx.w, ctx.cfg
-        )
+        last_A = (n_last_A - start_A).clamp(0, T - 1)  # the offset of position n-1
+        at_A1D = last_A[:, None, None].expand(-1, 1, head_ATD.shape[-1])
+        logits_AV = lm_head(head_ATD.gather(1, at_A1D)[:, 0], ctx.w, ctx.cfg)
         _, draft_A, q_AV = sample_at(ctx, rows_A, n_A, live_A, logits_AV, DRAFT + k, k)
         drafts.append(draft_A)
         qs.append(q_AV)
@@ -252,6 +251,8 @@ def speculative_step(
     """Draft, verify, accept: one step of every row of `rows_A` (state [1, A]: live; see
     `verify` for the result and the state it advances)."""
     assert ctx.drafter is not None
-    live_A, n_A = state_KA[0].bool(), ctx.rows.n_B[rows_A]
+    live_A = state_KA[0].bool()
+    n_B = ctx.rows.n_B  # rows 0..A-1 (prefix): read in place; verify writes them only at its end
+    n_A = n_B[:prefix] if prefix is not None else n_B[rows_A]
     drafts_AJ, q_AJV = draft(ctx, rows_A, prefix, n_A, live_A, limit)
     return verify(ctx, rows_A, prefix, n_A, live_A, drafts_AJ, q_AJV, limit)
