@@ -252,7 +252,9 @@ def main_forward(
     w: Weights, cfg: ModelConfig, cache: KVCache, tokens_AT: Tensor, chunk: Chunk
 ) -> tuple[Tensor, Tensor]:
     """(multistream [A,T,S,D], lm_head input [A,T,D]) of the main model; fills its cache."""
-    x_ATSD = expand_streams(F.embedding(tokens_AT, w["embed.weight"]), cfg.num_streams)
+    # the embedding table widened to the streams (a view), gathered: the streams come out
+    # contiguous in one launch, where embedding then expand made the first entry copy them
+    x_ATSD = expand_streams(w["embed.weight"][None], cfg.num_streams)[0][tokens_AT]
     proj: Proj = None
     for i in range(L := cfg.num_layers):
         next_hc = f"layers.{i + 1}.hc_attn." if i + 1 < L else "contraction."
