@@ -1,5 +1,5 @@
-"""Runs the interpreter cases (mHC ops; RMSNorm and rope; random numbers) in a fresh process with
-TRITON_INTERPRET=1.
+"""Runs the interpreter cases (mHC ops; RMSNorm and rope; random numbers, sampling and a step's
+chunk and verify tail; decode attention) in a fresh process with TRITON_INTERPRET=1.
 
 Triton reads TRITON_INTERPRET when a kernel is defined (at import of birkhoff.kernels), so the
 interpreter cases cannot share this process, where other tests may already have imported it.
