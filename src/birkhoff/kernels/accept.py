@@ -4,14 +4,15 @@
 Legend: A rows of the step, J drafts a row, T = J + 1 verified positions, V vocab; R rows of the
 engine's tables, B cache rows.
 
-After the verify pass, `engine.step.verify` eagerly runs ~45 small launches: the rows'
-sampling parameters gathered and repeated, the main model's distributions (`sample_rows`), the
-J + 1 uniforms, `speculative.accept_drafts` (gathers, a cumulative product, the residual and its
-inverse-CDF draw), the next token's write and the result's gathers and casts. At decode sizes
-each costs its launch, not its bytes. `verify_accept` computes the same in one launch
-(kernels/accept_triton.py): the same distributions and acceptance decisions bit for bit, the
-residual's draw to the rounding of its fp64 scan. Where some row filters with top-k / top-p
-the eager path runs.
+After the verify pass, `engine.step.verify` eagerly runs ~55 small launches: the rows'
+sampling parameters gathered and repeated, the main model's distributions
+(`sampling.sample_tokens`), the J + 1 uniforms, `speculative.accept_drafts` (gathers, a
+cumulative product, the residual and its inverse-CDF draw), the next token's write, the
+result's gathers and casts, and the next step's n and draft starts. At decode sizes each costs
+its launch, not its bytes. `verify_accept` computes the same in one launch
+(kernels/accept_triton.py): the distributions of `sample.sample_rows`' row arithmetic and the
+acceptance decisions bit for bit, the residual's draw to the rounding of its fp64 scan. Where
+some row filters with top-k / top-p the eager path runs.
 """
 
 from __future__ import annotations

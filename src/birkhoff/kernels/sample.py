@@ -96,7 +96,7 @@ def check_tokens(op: str, tokens_BN: Tensor, trash: int, positions: int | None =
     if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
         raise ValueError(f"{op}: tokens must be a row-major [B, N] int64 tensor, got "
                          f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
-    N = min(tokens_BN.shape[1], tokens_BN.shape[1] if positions is None else positions)
+    N = tokens_BN.shape[1] if positions is None else min(tokens_BN.shape[1], positions)
     if not 0 <= trash < N:
         raise ValueError(f"{op}: trash slot {trash} outside the {N} positions of the tokens"
                          f"{'' if positions is None else ' and the tables'}")  # fmt: skip
@@ -140,19 +140,6 @@ def _sample_next_fake(logits_AV: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 
 @sample_next.register_fake
-def _(
-    logits_AV,
-    rows_A,
-    n_A,
-    live_A,
-    temperature_R,
-    greedy_R,
-    key_R,
-    tokens_BN,
-    trash,
-    tags,
-    tag,
-    offset,
-):  # type: ignore[no-untyped-def]  # noqa: E501
+def _(logits_AV, *args):  # type: ignore[no-untyped-def]
     out, token, _, probs = _sample_next_fake(logits_AV)
     return out, token, probs

@@ -3,7 +3,7 @@
 Legend: A rows of the step, T positions a row, B cache rows, N cache positions, K2 rope angles
 a token.
 
-Eagerly (`engine.step.chunk_inputs`) a step's chunk is a handful of small launches: the
+Eagerly (`engine.step.step_chunk`) a step's chunk is a handful of small launches: the
 positions (an arange and an add), the valid mask (compares), the slots (a `where`), two rope
 table gathers and the tokens' index; at decode sizes each costs its launch, not its bytes, and
 a speculative step builds a chunk per draft depth and one for the verify pass. `chunk_inputs`
