@@ -66,6 +66,14 @@ class StepContext:
     draft_lengths: tuple[int, ...] = ()  # positions per depth; () = J + k (static shapes)
 
 
+def fused_sampling(ctx: StepContext, logits: Tensor) -> bool:
+    """Whether a sampling site runs as one fused launch: fused kernels, logits the kernels take
+    (not fp64), and no row of the step filtering with top-k / top-p (that keeps the eager
+    sort)."""
+    fused_dtype = logits.dtype != torch.float64
+    return use_fused(logits, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered
+
+
 def sample_at(
     ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor, tag: int,
     offset: int,
@@ -75,8 +83,7 @@ def sample_at(
     to tokens_BN at n + offset (the trash slot where not live). With fused kernels and no row
     filtering: one launch (`kernels.sample.sample_next`)."""
     table, tokens_BN, trash = ctx.rows.sampling.params, ctx.rows.tokens_BN, ctx.cache.trash
-    fused_dtype = logits_AV.dtype != torch.float64
-    if use_fused(logits_AV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
+    if fused_sampling(ctx, logits_AV):
         from birkhoff.kernels.sample import sample_next
 
         return sample_next(logits_AV, rows_A, n_A.long(), live_A, table.temperature_A,
@@ -216,8 +223,7 @@ def verify(
     chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, n_A, None, live_A, T, limit)
     ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
     ctx.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
-    fused_dtype = logits_ATV.dtype != torch.float64
-    if use_fused(logits_ATV, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered:
+    if fused_sampling(ctx, logits_ATV):
         from birkhoff.kernels.accept import verify_accept
 
         table = ctx.rows.sampling.params

@@ -32,13 +32,20 @@ def pad_streams(S: int) -> int:
     return max(2, pow2(S))
 
 
+def check_device(*tensors: Tensor) -> None:
+    """Raise ValueError unless these tensors live where the fused kernels run (CUDA, or any
+    device under the Triton interpreter)."""
+    for t in tensors:
+        if not t.is_cuda and not INTERPRET:
+            raise ValueError(f"mhc_kernels='triton': device={t.device} needs CUDA")
+
+
 def check_inputs(*tensors: Tensor) -> None:
     """Raise ValueError unless the fused kernels can run on these tensors."""
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"mhc_kernels='triton': dtype={t.dtype} is not fp32/bf16/fp16")
-        if not t.is_cuda and not INTERPRET:
-            raise ValueError(f"mhc_kernels='triton': device={t.device} needs CUDA")
+        check_device(t)
 
 
 def cdiv(a: int, b: int) -> int:

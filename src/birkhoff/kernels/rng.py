@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.kernels import rng_triton as R
-from birkhoff.kernels.mhc_mix import INTERPRET
+from birkhoff.kernels.mhc_mix import check_device
 
 BLOCK = 256
 
@@ -23,8 +23,7 @@ BLOCK = 256
 def splitmix_uniform(key: Tensor, counter: Tensor) -> Tensor:
     """fp64 uniforms in [0, 1): the top 53 bits of splitmix64(key ^ counter), elementwise over
     int64 tensors of one shape."""
-    if not key.is_cuda and not INTERPRET:
-        raise ValueError(f"kernels='triton': device={key.device} needs CUDA")
+    check_device(key)
     if key.shape != counter.shape or key.dtype != torch.long or counter.dtype != torch.long:
         raise ValueError(
             f"key and counter must be int64 of one shape, got {key.dtype}{tuple(key.shape)} and "

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.kernels import step_inputs_triton as K
-from birkhoff.kernels.mhc_mix import INTERPRET, pow2
+from birkhoff.kernels.mhc_mix import check_device, pow2
 from birkhoff.kernels.sample import check_tokens
 
 POSITIONS = 16  # positions a program, at most
@@ -33,8 +33,7 @@ def chunk_inputs(
     and p < end (no bound where None); the slot is p where valid, else `trash`; cos, sin: the
     tables' rows at the slots; tokens: tokens_BN[row, p + shift] where valid, else the trash
     slot's. start, end and rows int64 [A]; live any integer or bool [A]."""
-    if not live_A.is_cuda and not INTERPRET:
-        raise ValueError(f"chunk_inputs: device={live_A.device} needs CUDA")
+    check_device(live_A)
     A = live_A.shape[0]
     named = (("start", start_A), ("end", end_A), ("rows", rows_A), ("live", live_A))
     for name, t in named:
