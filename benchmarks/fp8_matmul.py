@@ -5,14 +5,16 @@ Legend: N output features, K input features (W [N, K]), rows: activation rows.
 For each shape of a decoder layer (default: the h200-small trunk's fused qkv, wo, fused
 gate/up and down) and each row count, device microseconds per call of: cuBLAS on the bf16
 weight (what a bf16 engine runs at 5+ rows); `kernels.gemv` on the bf16 weight (1-4 rows);
-`kernels.gemv` on the fp8 codes and block scales (1-4 rows); the fp8 GEMM (quantize the
-activation, then `fp8_matmul._fp8_gemm`) at each BLOCK_Y of --block-y (`fp8_matmul.CONFIG`);
-and torch's blockwise `F.scaled_mm` (1x128 activation scales, 128x128 weight scales) where
+`kernels.gemv` on the fp8 codes and block scales (1-4 rows); the fp8 x fp8 GEMM (quantize
+the activation, then `fp8_matmul._fp8_gemm`) and the weight-only GEMM (`_fp8_gemm` on the
+activation as it is, the codes widened in registers: one launch) at each BLOCK_Y of --block-y
+(`fp8_matmul.CONFIG`; which of the two `fp8_linear` runs is CONFIG["WEIGHT_ONLY_ROWS"]); and
+torch's blockwise `F.scaled_mm` (1x128 activation scales, 128x128 weight scales) where
 this torch build runs it. COPIES distinct
 weights are called in turn inside one CUDA graph, replayed (`common.graph_seconds`), so each
 call streams its weight from HBM as a decode step's layers do. Errors are against the fp32
-product of the dequantized weight (`fp8_matmul.fp8_linear_reference` for the fp8 GEMMs, whose
-activation goes through e4m3).
+product of the dequantized weight (`fp8_matmul.fp8_linear_reference` for the fp8 x fp8 GEMM,
+whose activation goes through e4m3).
 
   python benchmarks/fp8_matmul.py                 # ~1 minute on an H200
 """
@@ -20,6 +22,7 @@ activation goes through e4m3).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -74,9 +77,13 @@ def measure(rows: int, N: int, K: int, args: argparse.Namespace) -> dict[str, An
     try:
         for by in args.block_y:
             FM.CONFIG.update(BLOCK_Y_FEW=by, BLOCK_Y=by)
-            us = timed(lambda q, s: FM.fp8_linear(x, q, s), fp8, args.replays)
-            err = (FM.fp8_linear(x, *fp8[0]).float() - through_e4m3).abs().max().item()
-            out[f"gemm_fp8_y{by}_us"], out[f"gemm_fp8_y{by}_err"] = us, err
+            for name, quantize, want in (
+                ("gemm_fp8", True, through_e4m3),
+                ("gemm_w8", False, exact),
+            ):
+                run = functools.partial(FM.fp8_linear, x, quantize_input=quantize)
+                out[f"{name}_y{by}_us"] = timed(run, fp8, args.replays)
+                out[f"{name}_y{by}_err"] = (run(*fp8[0]).float() - want).abs().max().item()
     finally:
         FM.CONFIG.clear()
         FM.CONFIG.update(default)

@@ -1,5 +1,6 @@
-"""fp8 matmul computed in fp8: the Triton kernel against its fp32 reference and the
-dequantizing CPU path (Triton interpreter on CPU, the compiled kernel on a Hopper GPU)."""
+"""Block-fp8 matmuls: the Triton kernel's two modes (fp8 x fp8, weight-only) against their fp32
+references and the dequantizing CPU path (Triton interpreter on CPU, the compiled kernel on a
+Hopper GPU)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ SHAPES = [(3, 200, 130), (20, 256, 64), (1, 96, 40), (70, 384, 256)]  # N rows, 
 
 
 def check_kernel(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> None:
-    """fp8_linear == the fp32 reference of its formula (to accumulation order), and within the
-    activation's e4m3 rounding of the dequantizing path."""
+    """fp8 x fp8: fp8_linear == the fp32 reference of its formula (to accumulation order), and
+    within the activation's e4m3 rounding of the dequantizing path. Weight-only: the dequantizing
+    path's fp32 product, to accumulation order and y's rounding."""
     gen = torch.Generator().manual_seed(0)
     for N, X, Y in shapes:
         x = torch.randn(N, X, generator=gen).to(device, dtype)
         q, scale_inv = quantize_fp8_blockwise((0.1 * torch.randn(Y, X, generator=gen)).to(device))
-        y = fp8_linear(x, q, scale_inv)
+        y = fp8_linear(x, q, scale_inv, quantize_input=True)
         assert y.shape == (N, Y) and y.dtype == dtype
         ref = fp8_linear_reference(x.float(), q, scale_inv)
         # fp32: Hopper's fp8 tensor cores accumulate with fewer mantissa bits than fp32 (measured
@@ -42,16 +44,70 @@ def check_kernel(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
         dense = x.float() @ dequantize_fp8_blockwise(q, scale_inv).t()
         assert (y.float() - dense).abs().max() <= 0.1 * dense.abs().max()
         assert not torch.equal(y.float(), dense)  # the activation really went through e4m3
+        wo = fp8_linear(x, q, scale_inv, quantize_input=False)
+        assert wo.shape == (N, Y) and wo.dtype == dtype
+        ref_wo = fp8_linear_reference(x.float(), q, scale_inv, quantize_input=False)
+        assert torch.equal(ref_wo, dense)  # the weight-only formula is the dequantized product
+        # fp32 sums of exact products in another order; a bf16 y is rounded once (2^-8)
+        tol = 1e-5 if dtype == torch.float32 else 2.0**-8
+        torch.testing.assert_close(wo.float(), dense, rtol=tol, atol=tol * dense.abs().max().item())
+        assert (wo.float() - dense).abs().max() < 0.25 * (y.float() - dense).abs().max()
+
+
+def check_mode_rule(device: str) -> None:
+    """Up to WEIGHT_ONLY_ROWS rows fp8_linear runs weight-only, above them fp8 x fp8."""
+    gen = torch.Generator().manual_seed(1)
+    q, scale_inv = quantize_fp8_blockwise((0.1 * torch.randn(32, 130, generator=gen)).to(device))
+    few = fp8_matmul.CONFIG["WEIGHT_ONLY_ROWS"]
+    for N, weight_only in ((1, True), (few, True), (few + 1, False)):
+        x = torch.randn(N, 130, generator=gen).to(device)
+        assert fp8_matmul.weight_only(N) == weight_only
+        want = fp8_linear(x, q, scale_inv, quantize_input=not weight_only)
+        assert torch.equal(fp8_linear(x, q, scale_inv), want)
+
+
+def check_engine_weight_only(device: str) -> None:
+    """An fp32 block-fp8 engine whose matmuls all run the weight-only kernel (prefill and decode
+    rows are few) gives the tokens of its dequantizing path and log-probs within 1e-4."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dim=128, num_heads=4, num_kv_heads=2, mtp_depth=0))
+    engine = Engine.from_model(model.to(device).eval(), device=device, dtype=torch.float32,
+                               quantize="fp8", cuda_graphs=False)  # fmt: skip
+    calls = []
+    real = fp8_matmul.fp8_linear
+
+    def spy(x, q, s, *, quantize_input=None):  # type: ignore[no-untyped-def]
+        calls.append(fp8_matmul.weight_only(x.numel() // x.shape[-1]) and not quantize_input)
+        return real(x, q, s, quantize_input=quantize_input)
+
+    params = SamplingParams(5)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    supported = fp8_matmul.supported
+    fp8_matmul.fp8_linear = spy  # type: ignore[assignment]
+    try:
+        out = engine.generate(prompts, params)
+        fp8_matmul.fp8_linear, fp8_matmul.supported = real, lambda x: False  # type: ignore
+        ref = engine.generate(prompts, params)
+    finally:
+        fp8_matmul.fp8_linear, fp8_matmul.supported = real, supported  # type: ignore
+    assert calls and all(calls)
+    for got, want in zip(out, ref, strict=True):
+        assert got.tokens == want.tokens
+        drift = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+        assert drift < 1e-4, drift
 
 
 INTERPRETED = """
 import sys
 sys.path.insert(0, {tests!r})
 import torch
-from test_fp8_matmul import check_kernel
+from test_fp8_matmul import check_engine_weight_only, check_kernel, check_mode_rule
 from birkhoff.engine import fp8_matmul
 assert fp8_matmul.supported(torch.zeros(1))
 check_kernel("cpu", torch.float32, [(3, 200, 130), (1, 96, 40)])
+check_kernel("cpu", torch.bfloat16, [(20, 256, 64)])
+check_mode_rule("cpu")
+check_engine_weight_only("cpu")
 print("ok")
 """
 
@@ -85,9 +141,16 @@ hopper = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_gpu(dtype: torch.dtype) -> None:
     check_kernel("cuda", dtype, SHAPES)
+    check_mode_rule("cuda")
     x = torch.randn(37, 300, device="cuda")
     for got, want in zip(quantize_activation_cuda(x), quantize_activation(x), strict=True):
         assert torch.equal(got.float(), want.float())  # bit-identical codes and scales
+
+
+@pytest.mark.gpu
+@hopper
+def test_weight_only_fp8_engine_on_gpu_equals_its_dequantizing_path() -> None:
+    check_engine_weight_only("cuda")
 
 
 @pytest.mark.gpu

@@ -1,21 +1,30 @@
-"""Block-scaled fp8 matmul computed in fp8 (DeepSeek-V3 recipe), as a Triton kernel.
+"""Block-scaled fp8 matmuls (DeepSeek-V3's weight layout) as one Triton kernel, two modes.
 
 Legend: N rows of activations, X input features, Y output features, G = ceil(X/128) groups.
 
 y = x W^T with W stored as e4m3 codes plus one fp32 `scale_inv` per 128x128 block (engine
-weights with quantize="fp8"). The activation is quantized on the fly with one scale per row and
-128-wide group of X (`quantize_activation`: amax / 448, as the weights), then
-    y[n, y] = sum_g  a_scale[n, g] * w_scale[y // 128, g] * sum_{x in g} qa[n, x] qw[y, x]
-where the inner sums are fp8 x fp8 tensor-core dots accumulated in fp32 (one X tile of the
-kernel is one 128-group, so both scales are per tile). Reads of W are one byte per weight, half
-of bf16, which is what memory-bound decode pays for.
+weights with quantize="fp8"). One X tile of the kernel is one 128-group, so a weight scale is
+one scalar per tile. Reads of W are one byte per weight, half of bf16, which is what
+memory-bound decode pays for. The two modes of `fp8_linear`:
+- fp8 x fp8 (more than CONFIG["WEIGHT_ONLY_ROWS"] rows: prefill): the activation is quantized
+  first with one scale per row and 128-group of X (`quantize_activation`: amax / 448, as the
+  weights), then
+      y[n, y] = sum_g  a_scale[n, g] * w_scale[y // 128, g] * sum_{x in g} qa[n, x] qw[y, x]
+  with fp8 x fp8 tensor-core dots accumulated in fp32 (twice bf16's tensor rate). Two launches.
+- weight-only (up to WEIGHT_ONLY_ROWS rows: decode, verify and draft passes): the codes are
+  widened in registers to the activation's dtype (exact: e4m3 fits in bf16, fp16 and fp32) and
+  multiplied with the activation as it is,
+      y[n, y] = sum_g  w_scale[y // 128, g] * sum_{x in g} x[n, x] qw[y, x]
+  One launch and no activation rounding; at a few hundred rows the product is not what bounds
+  the matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there.
+  The CPU reference of this mode is the dequantizing path itself, up to the fp32 sums' order.
 
-Reference: `fp8_linear_reference` computes the same formula from the dequantized operands in
+Reference: `fp8_linear_reference` computes either formula from the dequantized operands in
 fp32; the kernel matches it to fp32 accumulation order. The engine's CPU path (linear.py)
-dequantizes W and keeps the activation unquantized; the difference is the activation's e4m3
-rounding (relative 2^-4 per element at most). Runs where Triton has fp8 dots: CUDA devices of
-compute capability >= 8.9 (Hopper), and the Triton interpreter (TRITON_INTERPRET=1, tests).
-Left out: split-K for very small Y, autotuning.
+dequantizes W and keeps the activation unquantized; the fp8 x fp8 mode differs from it by the
+activation's e4m3 rounding (relative 2^-4 per element at most). Runs where Triton has fp8
+dots: CUDA devices of compute capability >= 8.9 (Hopper), and the Triton interpreter
+(TRITON_INTERPRET=1, tests). Left out: split-K for very small Y, autotuning.
 """
 
 from __future__ import annotations
@@ -75,11 +84,17 @@ def quantize_activation_cuda(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     return qa_NX, a_scale_NG
 
 
-def fp8_linear_reference(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
-    """The kernel's formula from dequantized operands, in fp32 (the test reference)."""
+def fp8_linear_reference(
+    x: Tensor, q_YX: Tensor, scale_inv: Tensor, *, quantize_input: bool = True
+) -> Tensor:
+    """The kernel's formula from dequantized operands, in fp32 (the test reference); without
+    `quantize_input` the weight-only mode's (the activation as it is)."""
     x_NX = x.reshape(-1, x.shape[-1])
-    qa_NX, a_scale_NG = quantize_activation(x_NX)
-    a_NX = qa_NX.float() * a_scale_NG.repeat_interleave(FP8_BLOCK, dim=1)[:, : x_NX.shape[1]]
+    if quantize_input:
+        qa_NX, a_scale_NG = quantize_activation(x_NX)
+        a_NX = qa_NX.float() * a_scale_NG.repeat_interleave(FP8_BLOCK, dim=1)[:, : x_NX.shape[1]]
+    else:
+        a_NX = x_NX.float()
     w_YX = (
         q_YX.float()
         * scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[
@@ -89,21 +104,37 @@ def fp8_linear_reference(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
     return (a_NX @ w_YX.t()).to(x.dtype).view(*x.shape[:-1], q_YX.shape[0])
 
 
-def fp8_linear(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
-    """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv), computed in fp8; x's dtype out."""
+def weight_only(rows: int) -> bool:
+    """Whether `fp8_linear` of `rows` activation rows runs the weight-only mode (docstring)."""
+    return rows <= CONFIG["WEIGHT_ONLY_ROWS"]
+
+
+def fp8_linear(
+    x: Tensor, q_YX: Tensor, scale_inv: Tensor, *, quantize_input: bool | None = None
+) -> Tensor:
+    """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv); x's dtype out. `quantize_input`:
+    True for fp8 x fp8, False for weight-only, None to choose by row count (`weight_only`)."""
     assert triton is not None and q_YX.dtype == FP8_DTYPE, q_YX.dtype
     assert q_YX.is_contiguous() and scale_inv.is_contiguous()
     x_NX = x.reshape(-1, x.shape[-1])
     N, X = x_NX.shape
     Y = q_YX.shape[0]
-    qa_NX, a_scale_NG = (quantize_activation_cuda if x.is_cuda else quantize_activation)(x_NX)
+    if quantize_input is None:
+        quantize_input = not weight_only(N)
+    if quantize_input:
+        quantize = quantize_activation_cuda if x.is_cuda else quantize_activation
+        a_NX, a_scale_NG = quantize(x_NX)
+    else:  # the activation as it is; a_scale is not read
+        a_NX = x_NX if x_NX.stride(-1) == 1 else x_NX.contiguous()
+        a_scale_NG = scale_inv
     y_NY = torch.empty(N, Y, dtype=x.dtype, device=x.device)
     block_m = 16 if N <= 16 else 32 if N <= 32 else 64
     block_y = CONFIG["BLOCK_Y_FEW"] if N <= 64 else CONFIG["BLOCK_Y"]
     grid = (triton.cdiv(N, block_m), triton.cdiv(Y, block_y))
     _fp8_gemm[grid](
-        qa_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
-        qa_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0),
+        a_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
+        a_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0),
+        QUANTIZED_A=quantize_input, IEEE=a_NX.dtype == torch.float32 or interpreting(),
         BLOCK_N=block_m, BLOCK_Y=block_y, BLOCK_X=FP8_BLOCK, num_warps=4, num_stages=3,
     )  # fmt: skip
     return y_NY.view(*x.shape[:-1], Y)
@@ -111,8 +142,11 @@ def fp8_linear(x: Tensor, q_YX: Tensor, scale_inv: Tensor) -> Tensor:
 
 # output features a program (dividing FP8_BLOCK), up to 64 activation rows and above: narrow
 # tiles give few rows more programs (H200, `python benchmarks/fp8_matmul.py`, docs/results.md:
-# a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); read at every call
-CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32}
+# a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); WEIGHT_ONLY_ROWS:
+# up to how many rows the weight-only mode runs (one launch instead of the activation's
+# quantization and the GEMM; not yet timed against them on the GPU: `benchmarks/fp8_matmul.py`
+# has both); read at every call
+CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 256}
 
 if triton is not None:
 
@@ -120,10 +154,14 @@ if triton is not None:
     def _fp8_gemm(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
         stride_a, stride_a_scale, stride_w_scale,
+        QUANTIZED_A: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
     ):  # fmt: skip
         """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
-        divides the 128-row weight block: one weight scale per tile)."""
+        divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
+        codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
+        widened to its dtype (IEEE: to fp32, multiplied in full fp32: fp32 activations, and all
+        in the Triton interpreter, whose bf16 dots are wrong)."""
         pid_n, pid_y = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
@@ -138,9 +176,14 @@ if triton is not None:
                         mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
             w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
                         mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
-            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
-            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
+            if QUANTIZED_A:
+                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
+                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
+            elif IEEE:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
+            else:
+                acc += tl.dot(a, w.to(a.dtype)) * w_scale
         tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
