@@ -5,13 +5,13 @@ Every projection reads its weight from the engine's weight dict by name, so repl
 fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) `fp8_matmul.fp8_linear` reads
 its codes (up to a few hundred rows widened in registers and multiplied with the activation as
 it is, above that fp8 x fp8 after quantizing the activation); elsewhere (CPU: the reference) it
-is dequantized to the activation dtype first. With fused kernels on, a matmul of a few activation rows is `kernels.gemv`
-where `gemv.serves` says it is faster (one row: batch-1 decode; 2-4 rows of the output and down
-projections: verify and draft passes), as cuBLAS's tiles left most of the GPU idle there; a
-block-fp8 weight goes there on the same rule, decoded from its codes in the kernel (one byte a
-weight read, the activation as it is). Left
-out: caching the dequantized weights between calls. `weight` is the lookup with dequantization
-for callers that do their own matmuls (the stacked experts of engine/moe.py).
+is dequantized to the activation dtype first. With fused kernels on, a matmul of a few
+activation rows is `kernels.gemv` where `gemv.serves` says it is faster (one row: batch-1
+decode; 2-4 rows of the output and down projections: verify and draft passes), as cuBLAS's tiles
+left most of the GPU idle there; a block-fp8 weight goes there on the same rule, decoded from
+its codes in the kernel (one byte a weight read, the activation as it is). Left out: caching the
+dequantized weights between calls. `weight` is the lookup with dequantization for callers that
+do their own matmuls (the stacked experts of engine/moe.py).
 """
 
 from __future__ import annotations
