@@ -33,7 +33,7 @@ CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num
 
 def serves(rows: int, N: int, K: int) -> bool:
     """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring), bf16
-    or block-fp8 (whose other matmul is the activation's quantization and the fp8 GEMM)."""
+    or block-fp8 (whose other matmul is `engine.fp8_matmul.fp8_linear`)."""
     return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K and N * K <= FEW_ROWS_WEIGHTS)
 
 
