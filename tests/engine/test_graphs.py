@@ -136,6 +136,28 @@ def test_speculative_steps_run_ahead_until_near_max_seq_len_on_cpu(
     )
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_engine_serves_every_draft_count(trained_model: Transformer, device: str) -> None:
+    """One engine's calls with 1, then 3, then 2, then 0 drafts each give a fresh eager
+    engine's tokens: a step's graph depends on its draft count (its output has 1 + 2(J + 1)
+    columns), so a call never replays another count's graphs (on CPU the emulated pool)."""
+    model = copy.deepcopy(trained_model).double().to(device)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    engine = Engine.from_model(model, device=device, dtype=dtype, max_batch_size=4,
+                               cuda_graphs=device == "cuda", max_speculative_tokens=3)  # fmt: skip
+    if device == "cpu":
+        engine.graphs = EmulatedPool(4, engine.capacity, engine.device)
+    for k in (1, 3, 2, 0):
+        fresh = Engine.from_model(model, device=device, dtype=dtype, max_batch_size=4,
+                                  max_speculative_tokens=3)  # fmt: skip
+        params = SamplingParams(12, num_speculative_tokens=k)
+        out, ref = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
+        assert [c.tokens for c in out] == [c.tokens for c in ref], k
+    assert engine.graphs is not None
+    keys = {key for graphs in engine.graphs.sets.values() for key in graphs}
+    assert {key[-1] for key in keys if key[0] == "speculative_step"} == {1, 2, 3}
+
+
 def test_graph_sets_follow_the_refit_banks_on_cpu(trained_model: Transformer) -> None:
     """Emulated graphs over refits whose tensors live in the two alternating buffer banks: a
     graph set is reused when a commit puts new weights at its captured addresses, and every

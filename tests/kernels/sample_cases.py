@@ -116,7 +116,8 @@ def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
             lp = logp.gather(-1, t[:, None]).squeeze(-1).double()
             assert torch.equal(token, t) and torch.equal(out[:, 0], t.double()), kernels
             if kernels == "triton":
-                assert torch.equal(out[:, 1], lp) and torch.equal(probs, p)
+                assert torch.equal(out[:, 1], lp), (out[:, 1] - lp).abs().max()
+                assert torch.equal(probs, p), (probs - p).abs().max()
                 expected_tokens[rows, torch.where(live, n + offset, trash)] = t
                 assert torch.equal(tokens, expected_tokens)
             else:

@@ -14,11 +14,12 @@ shape:
   that covers the step; the causal mask is built on the device from the positions, as are the
   rope tables (a gather) and the cache writes (index_put, or the fused rope + cache write).
 - one graph per (step, K, A', N', whether some row filters with top-k / top-p: else the sort is
-  skipped). A prefill is a step too (`step.prefill_step`: T = N' positions of the bucket's rows,
-  only the admitted rows live), graphed up to a size the caller gives (decode.py), else eager;
-  so is the MTP depths' catch-up on a new prompt (`step.catch_up_step`).
+  skipped, the draft count J: a speculative step's positions and result width). A prefill is a
+  step too (`step.prefill_step`: T = N' positions of the bucket's rows, only the admitted rows
+  live), graphed up to a size the caller gives (decode.py), else eager; so is the MTP depths'
+  catch-up on a new prompt (`step.catch_up_step`).
 The state is copied into a static buffer (one per K, in one host-to-device transfer) and results
-come back in a static buffer shared by every graph of the same step and K: `run` returns a view
+come back in a static buffer shared by every graph of the same step, K and J: `run` returns a view
 of its first rows when the active rows are packed at the front (else their rows, gathered), so
 a caller copies the result (`to_host`, or reads it) before it runs the next step. Graphs are
 captured lazily, on the first step that needs them (warm-up run on a side stream, then
@@ -53,7 +54,7 @@ MIN_KEYS = 32  # smallest length bucket
 MAX_WEIGHT_SETS = 2  # graph sets kept (refit alternates two buffer banks)
 
 Fingerprint = tuple[tuple[int, tuple[int, ...]], ...]
-Key = tuple[str, int, int, int, bool]  # (step, K, A', N', filtered)
+Key = tuple[str, int, int, int, bool, int]  # (step, K, A', N', filtered, J)
 Step = Callable[[StepContext, Tensor, "int | None", Tensor, int], Tensor]
 
 
@@ -95,7 +96,7 @@ class GraphPool:
         self.pool: Any = None  # the graphs' shared memory pool, made at first capture
         self.sets: OrderedDict[Fingerprint, dict[Key, tuple[object, Tensor]]] = OrderedDict()
         self.states: dict[int, Tensor] = {}  # state buffers [K * max_rows], per K
-        self.outputs: dict[tuple[str, int], Tensor] = {}
+        self.outputs: dict[tuple[str, int, int], Tensor] = {}
         self.num_captured = 0
         self.stream: torch.cuda.Stream | None = None
 
@@ -118,7 +119,7 @@ class GraphPool:
             )
         return self.states[num_rows][: num_rows * batch].view(num_rows, batch)
 
-    def static_output(self, kind: tuple[str, int], out: Tensor) -> Tensor:
+    def static_output(self, kind: tuple[str, int, int], out: Tensor) -> Tensor:
         """Copy `out` into the first rows of `kind`'s shared result buffer (made on first use,
         during the eager warm-up run, at the largest bucket)."""
         if kind not in self.outputs:
@@ -169,13 +170,15 @@ class GraphSteps(Steps):
             for dst, src in zip(padded, state, strict=True):
                 dst[i] = src[a]
         buf = self.pool.static_state(K, A)
-        key: Key = (step.__name__, K, A, N, ctx.filtered)
+        # the draft count J shapes a speculative step (J + 1 positions, 1 + 2(J + 1) result
+        # columns): a call with another J must not replay this one's graphs
+        key: Key = (step.__name__, K, A, N, ctx.filtered, ctx.num_drafts)
         if key not in self.graphs:
 
             def fn() -> Tensor:
                 rows_A = torch.arange(A, device=buf.device)
                 out = step(ctx, rows_A, A, buf, N)
-                return self.pool.static_output((step.__name__, K), out)[:A]
+                return self.pool.static_output((step.__name__, K, ctx.num_drafts), out)[:A]
 
             # the warm-up run of a capture sees no live row, so it writes only the trash slot
             # and does not apply a step's own state updates (speculative: n, draft starts)

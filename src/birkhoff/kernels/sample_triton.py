@@ -22,7 +22,8 @@ sampled token differs only where u * total falls that close to a cumulative-mass
   per-row tables, its uniform from splitmix64(key[row] ^ (n * TAGS + TAG)) (rng_triton, the
   bits of `splitmix_uniform`); the token goes into tokens[row, n + offset] (the trash slot for
   rows that are not live) and token[a], and (token, its logp) into out[a] as fp64. The logp
-  of the token is recomputed from its logit with pass 2's arithmetic: the value pass 2 stored.
+  of the token is read back from the row pass 2 stored, after a barrier (recomputed from the
+  logit outside `_sample_row`, it had other bits than sample_rows' on the GPU).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from birkhoff.kernels.rng_triton import uniform_bits
 @triton.jit
 def _sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr,
                 BV: tl.constexpr):  # fmt: skip
-    """(token [1] int64, max [1], log of the sum of exp [1]) of one row; stores logp and
-    probs. `u` is read only where HAS_U and the row is not greedy."""
+    """The token [1] (int64) of one row; stores its logp and probs. `u` is read only where
+    HAS_U and the row is not greedy."""
     m = tl.full([1], float("-inf"), tl.float32)
     s = tl.zeros([1], dtype=tl.float32)
     for v0 in range(0, V, BV):
@@ -81,7 +82,7 @@ def _sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexp
                 short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
                 run += tl.max(cs, axis=0)
             token = tl.minimum(below, short)
-    return token, m, log_s
+    return token
 
 
 @triton.jit
@@ -93,8 +94,8 @@ def sample_rows(
     t = tl.load(temp_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     u = tl.load(u_ptr + row) if HAS_U else 0.0
-    token, _, _ = _sample_row(logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V, t,
-                              greedy, u, V, HAS_U, BV)  # fmt: skip
+    token = _sample_row(logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V, t, greedy,
+                        u, V, HAS_U, BV)  # fmt: skip
     tl.store(token_ptr + row + tl.arange(0, 1), token)
 
 
@@ -111,10 +112,10 @@ def sample_next(
     t = tl.load(temp_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     u = uniform_bits(tl.load(key_ptr + row), n * TAGS + TAG)
-    logits = logits_ptr + a * V
-    token, m, log_s = _sample_row(logits, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V,
-                                  True, BV)  # fmt: skip
-    logp = (tl.load(logits + token).to(tl.float32) / t - m) - log_s
+    token = _sample_row(logits_ptr + a * V, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V,
+                        True, BV)  # fmt: skip
+    tl.debug_barrier()  # the token's logp was stored by another thread of the program
+    logp = tl.load(logp_ptr + a * V + token)
     slot = tl.where(live, n + offset, trash)
     one = tl.arange(0, 1)
     tl.store(tokens_ptr + row * stride_tokens + slot + one, token)
