@@ -6,17 +6,19 @@ y = x W^T with W stored as e4m3 codes plus one fp32 `scale_inv` per 128x128 bloc
 weights with quantize="fp8"). One X tile of the kernel is one 128-group, so a weight scale is
 one scalar per tile. Reads of W are one byte per weight, half of bf16, which is what
 memory-bound decode pays for. The two modes of `fp8_linear`:
-- fp8 x fp8 (more than CONFIG["WEIGHT_ONLY_ROWS"] rows: prefill): the activation is quantized
+- fp8 x fp8 (more than CONFIG["WEIGHT_ONLY_ROWS"] rows: prefill, large batches): the
+  activation is quantized
   first with one scale per row and 128-group of X (`quantize_activation`: amax / 448, as the
   weights), then
       y[n, y] = sum_g  a_scale[n, g] * w_scale[y // 128, g] * sum_{x in g} qa[n, x] qw[y, x]
   with fp8 x fp8 tensor-core dots accumulated in fp32 (twice bf16's tensor rate). Two launches.
-- weight-only (up to WEIGHT_ONLY_ROWS rows: decode, verify and draft passes): the codes are
-  widened in registers to the activation's dtype (exact: e4m3 fits in bf16, fp16 and fp32) and
-  multiplied with the activation as it is,
+- weight-only (up to WEIGHT_ONLY_ROWS rows: decode, verify and draft passes of small batches):
+  the codes are widened in registers to the activation's dtype (exact: e4m3 fits in bf16, fp16
+  and fp32) and multiplied with the activation as it is,
       y[n, y] = sum_g  w_scale[y // 128, g] * sum_{x in g} x[n, x] qw[y, x]
-  One launch and no activation rounding; at a few hundred rows the product is not what bounds
-  the matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there.
+  One launch and no activation rounding; at tens of rows the product is not what bounds the
+  matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there;
+  at a few hundred it does (CONFIG's comment has the timings).
   The CPU reference of this mode is the dequantizing path itself, up to the fp32 sums' order.
 
 Reference: `fp8_linear_reference` computes either formula from the dequantized operands in
@@ -143,10 +145,10 @@ def fp8_linear(
 # output features a program (dividing FP8_BLOCK), up to 64 activation rows and above: narrow
 # tiles give few rows more programs (H200, `python benchmarks/fp8_matmul.py`, docs/results.md:
 # a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); WEIGHT_ONLY_ROWS:
-# up to how many rows the weight-only mode runs (one launch instead of the activation's
-# quantization and the GEMM; not yet timed against them on the GPU: `benchmarks/fp8_matmul.py`
-# has both); read at every call
-CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 256}
+# up to how many rows the weight-only mode runs (H100, same script: a layer's projections at
+# 16 / 64 rows 24.2 / 26.7 us weight-only against 27.0 / 28.6 fp8 x fp8, at 256 rows 41.1
+# against 35.0: there the bf16 dots cost more than the quantization launch); read at every call
+CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 64}
 
 if triton is not None:
 
