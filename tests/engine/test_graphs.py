@@ -138,9 +138,10 @@ def test_speculative_steps_run_ahead_until_near_max_seq_len_on_cpu(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_engine_serves_every_draft_count(trained_model: Transformer, device: str) -> None:
-    """One engine's calls with 1, then 3, then 2, then 0 drafts each give a fresh eager
-    engine's tokens: a step's graph depends on its draft count (its output has 1 + 2(J + 1)
-    columns), so a call never replays another count's graphs (on CPU the emulated pool)."""
+    """One engine's calls with 1, then 3, then 2, then 0 drafts each give the tokens of a fresh
+    engine that served only that count: a step's graph depends on its draft count (its output
+    has 1 + 2(J + 1) columns), so a call never replays another count's graphs (on CPU the
+    emulated pool; on CUDA real graphs in both engines)."""
     model = copy.deepcopy(trained_model).double().to(device)
     dtype = torch.float64 if device == "cpu" else torch.float32
     engine = Engine.from_model(model, device=device, dtype=dtype, max_batch_size=4,

@@ -7,9 +7,8 @@ weights with quantize="fp8"). One X tile of the kernel is one 128-group, so a we
 one scalar per tile. Reads of W are one byte per weight, half of bf16, which is what
 memory-bound decode pays for. The two modes of `fp8_linear`:
 - fp8 x fp8 (more than CONFIG["WEIGHT_ONLY_ROWS"] rows: prefill, large batches): the
-  activation is quantized
-  first with one scale per row and 128-group of X (`quantize_activation`: amax / 448, as the
-  weights), then
+  activation is quantized first with one scale per row and 128-group of X
+  (`quantize_activation`: amax / 448, as the weights), then
       y[n, y] = sum_g  a_scale[n, g] * w_scale[y // 128, g] * sum_{x in g} qa[n, x] qw[y, x]
   with fp8 x fp8 tensor-core dots accumulated in fp32 (twice bf16's tensor rate). Two launches.
 - weight-only (up to WEIGHT_ONLY_ROWS rows: decode, verify and draft passes of small batches):
