@@ -183,7 +183,8 @@ def hyper(
     if not use_fused(x_ATSD, cfg.mhc_kernels):
         return hyper_connection(x_ATSD, phi, alpha, bias, normed, iters=iters,
                                 norm_eps=cfg.norm_eps, eps=eps, kernels="eager"), None  # fmt: skip
-    from birkhoff.kernels import mhc, mhc_entry
+    from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     side = side_stream(x_ATSD.device)
     x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
@@ -231,7 +232,7 @@ def contract_norm(
         return rms_norm(single_stream(x_ATSD), norm, cfg.norm_eps, kernels=cfg.mhc_kernels)
     phi, alpha, bias = (w[prefix + "contraction." + k] for k in ("phi", "alpha", "bias"))
     if use_fused(x_ATSD, cfg.mhc_kernels):
-        from birkhoff.kernels import mhc_entry
+        from birkhoff.kernels.mhc import entry as mhc_entry
 
         return mhc_entry.contract_norm(
             x_ATSD, phi, alpha, bias, norm, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps,

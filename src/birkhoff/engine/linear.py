@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
-from birkhoff.kernels import use_fused
+from birkhoff.kernels import fp8_matmul, use_fused
 
 
 def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:

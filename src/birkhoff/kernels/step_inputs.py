@@ -3,12 +3,10 @@
 Legend: A rows of the step, T positions a row, B cache rows, N cache positions, K2 rope angles
 a token.
 
-Eagerly (`engine.step.step_chunk`) a step's chunk is a handful of small launches: the
-positions (an arange and an add), the valid mask (compares), the slots (a `where`), two rope
-table gathers and the tokens' index; at decode sizes each costs its launch, not its bytes, and
-a speculative step builds a chunk per draft depth and one for the verify pass. `chunk_inputs`
-writes the same values in one launch (kernels/step_inputs_triton.py); the eager ops stay the
-reference and the CPU path. No host sync, so it runs inside the engine's CUDA graphs.
+Eagerly (`engine.step.step_chunk`) a chunk is a handful of small launches: positions, the valid
+mask, the slots, two rope table gathers and the tokens' index. `chunk_inputs` writes the same
+values in one launch (integer arithmetic, loads and stores: bit for bit); the eager ops stay
+the reference and the CPU path. No host sync, so it runs inside the engine's CUDA graphs.
 """
 
 from __future__ import annotations
@@ -16,9 +14,40 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import step_inputs_triton as K
-from birkhoff.kernels.mhc_mix import check_device, pow2
+from birkhoff.kernels.common import check_device, pow2, tl, triton
 from birkhoff.kernels.sample import check_tokens
+
+
+@triton.jit
+def chunk_inputs_kernel(
+    start_ptr, end_ptr, live_ptr, rows_ptr, tokens_ptr, cos_ptr, sin_ptr, pos_ptr, valid_ptr,
+    cos_out_ptr, sin_out_ptr, token_out_ptr, T, K2, stride_tokens, trash, shift,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    a = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    p = t.to(tl.int64)
+    if HAS_START:
+        p += tl.load(start_ptr + a).to(tl.int64)
+    valid = (tl.load(live_ptr + a) != 0) & t_ok
+    if HAS_END:
+        valid = valid & (p < tl.load(end_ptr + a).to(tl.int64))
+    slot = tl.where(valid, p, trash)
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    out = a * T + t
+    tl.store(pos_ptr + out, slot, mask=t_ok)
+    tl.store(valid_ptr + out, valid, mask=t_ok)
+    token = tl.load(tokens_ptr + row * stride_tokens + tl.where(valid, p + shift, trash),
+                    mask=t_ok, other=0)  # fmt: skip
+    tl.store(token_out_ptr + out, token, mask=t_ok)
+    j = tl.arange(0, BK)
+    ok = t_ok[:, None] & (j < K2)[None, :]
+    src = slot[:, None] * K2 + j[None, :]
+    dst = out.to(tl.int64)[:, None] * K2 + j[None, :]
+    tl.store(cos_out_ptr + dst, tl.load(cos_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(sin_out_ptr + dst, tl.load(sin_ptr + src, mask=ok, other=0.0), mask=ok)
+
 
 POSITIONS = 16  # positions a program, at most
 
@@ -50,7 +79,7 @@ def chunk_inputs(
     outs = _fake(start_A, end_A, live_A, rows_A, tokens_BN, cos_NK2, sin_NK2, trash, T, shift)
     if A:
         K2, BT = cos_NK2.shape[1], min(POSITIONS, pow2(T))
-        K.chunk_inputs[(A, -(-T // BT))](
+        chunk_inputs_kernel[(A, -(-T // BT))](
             live_A if start_A is None else start_A.contiguous(),
             live_A if end_A is None else end_A.contiguous(), live_A.contiguous(),
             rows_A.contiguous(), tokens_BN, cos_NK2.contiguous(), sin_NK2.contiguous(), *outs,

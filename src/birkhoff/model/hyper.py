@@ -38,12 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.kernels import TRITON, use_fused
+from birkhoff.kernels import mhc, use_fused
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
-if TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
-    import birkhoff.kernels.mhc  # noqa: F401
 
 
 def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
@@ -77,8 +75,6 @@ def mhc_coefficients(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.mhc_coefficients(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -99,8 +95,6 @@ def mhc_coefficients(
 def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tensor:
     """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D], summed in >= fp32, cast to x's dtype."""
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.mix_in(x_BTSD, h_pre_BTS)
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -117,8 +111,6 @@ def coefficients_and_mix_in(
     The fused path runs both as one op, whose backward writes the streams' gradient once.
     """
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.coefficients_and_mix_in(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -137,8 +129,6 @@ def mix_out(
     The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
     """
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
@@ -159,8 +149,6 @@ def hyper_connection(
     streams to the coefficient op's backward, which writes x's gradient once for all of it.
     """
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         # x_BTSD becomes the op's view of the (once made contiguous) streams
         y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
@@ -220,8 +208,6 @@ def contraction_weights(
 ) -> Tensor:  # fmt: skip
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
@@ -238,8 +224,6 @@ def contract(
     """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
     fused path runs both as one op)."""
     if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
         return mhc.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     w_BTS = contraction_weights(
         x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels

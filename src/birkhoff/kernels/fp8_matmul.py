@@ -35,15 +35,8 @@ import os
 import torch
 from torch import Tensor
 
-from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with torch on Linux
-    triton = None
-
-_AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
+from birkhoff.kernels.common import TRITON, tl, triton
+from birkhoff.kernels.fp8_quantize import AMAX_FLOOR, FP8_BLOCK, FP8_DTYPE, FP8_MAX
 
 
 def interpreting() -> bool:
@@ -52,7 +45,7 @@ def interpreting() -> bool:
 
 def supported(x: Tensor) -> bool:
     """Whether the fp8 kernel runs for activations `x` (else: dequantize, then matmul)."""
-    if triton is None:
+    if not TRITON:
         return False
     if x.device.type == "cuda":
         return torch.cuda.get_device_capability(x.device) >= (8, 9) and not interpreting()
@@ -67,7 +60,7 @@ def quantize_activation(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     G = -(-X // FP8_BLOCK)
     x_NGB = torch.nn.functional.pad(x_NX.float(), (0, G * FP8_BLOCK - X)).view(N, G, FP8_BLOCK)
     amax_NG = x_NGB.abs().amax(dim=-1)
-    scale_NG = amax_NG.clamp_min(_AMAX_FLOOR) * (1.0 / FP8_MAX)
+    scale_NG = amax_NG.clamp_min(AMAX_FLOOR) * (1.0 / FP8_MAX)
     q_NGB = (x_NGB * scale_NG.reciprocal()[..., None]).to(FP8_DTYPE)
     return q_NGB.view(N, G * FP8_BLOCK)[:, :X], scale_NG
 
@@ -80,7 +73,7 @@ def quantize_activation_cuda(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     x_NX = x_NX.contiguous()
     qa_NX = torch.empty(N, X, dtype=FP8_DTYPE, device=x_NX.device)
     a_scale_NG = torch.empty(N, G, dtype=torch.float32, device=x_NX.device)
-    _quantize_rows[(N, G)](x_NX, qa_NX, a_scale_NG, X, G, _AMAX_FLOOR, 1.0 / FP8_MAX,
+    _quantize_rows[(N, G)](x_NX, qa_NX, a_scale_NG, X, G, AMAX_FLOOR, 1.0 / FP8_MAX,
                            BLOCK_X=FP8_BLOCK)  # fmt: skip
     return qa_NX, a_scale_NG
 
@@ -115,7 +108,7 @@ def fp8_linear(
 ) -> Tensor:
     """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv); x's dtype out. `quantize_input`:
     True for fp8 x fp8, False for weight-only, None to choose by row count (`weight_only`)."""
-    assert triton is not None and q_YX.dtype == FP8_DTYPE, q_YX.dtype
+    assert TRITON and q_YX.dtype == FP8_DTYPE, q_YX.dtype
     assert q_YX.is_contiguous() and scale_inv.is_contiguous()
     x_NX = x.reshape(-1, x.shape[-1])
     N, X = x_NX.shape
@@ -149,54 +142,54 @@ def fp8_linear(
 # against 35.0: there the bf16 dots cost more than the quantization launch); read at every call
 CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 64}
 
-if triton is not None:
 
-    @triton.jit
-    def _fp8_gemm(
-        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
-        stride_a, stride_a_scale, stride_w_scale,
-        QUANTIZED_A: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
-    ):  # fmt: skip
-        """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
-        divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
-        codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
-        widened to its dtype (IEEE: to fp32, multiplied in full fp32: fp32 activations, and all
-        in the Triton interpreter, whose bf16 dots are wrong)."""
-        pid_n, pid_y = tl.program_id(0), tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
-        xs = tl.arange(0, BLOCK_X)
-        row_ok, col_ok = rows < N, cols < Y
-        w_scale_row = (pid_y * BLOCK_Y) // BLOCK_X  # BLOCK_Y divides the 128-row scale block
-        acc = tl.zeros((BLOCK_N, BLOCK_Y), dtype=tl.float32)
-        for g in range(0, tl.cdiv(X, BLOCK_X)):
-            x = g * BLOCK_X + xs
-            x_ok = x < X
-            a = tl.load(a_ptr + rows[:, None] * stride_a + x[None, :],
-                        mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
-                        mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
-            w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
-            if QUANTIZED_A:
-                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
-                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
-            elif IEEE:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
-            else:
-                acc += tl.dot(a, w.to(a.dtype)) * w_scale
-        tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+@triton.jit
+def _fp8_gemm(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
+    stride_a, stride_a_scale, stride_w_scale,
+    QUANTIZED_A: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
+    divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
+    codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
+    widened to its dtype (IEEE: to fp32, multiplied in full fp32: fp32 activations, and all
+    in the Triton interpreter, whose bf16 dots are wrong)."""
+    pid_n, pid_y = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
+    xs = tl.arange(0, BLOCK_X)
+    row_ok, col_ok = rows < N, cols < Y
+    w_scale_row = (pid_y * BLOCK_Y) // BLOCK_X  # BLOCK_Y divides the 128-row scale block
+    acc = tl.zeros((BLOCK_N, BLOCK_Y), dtype=tl.float32)
+    for g in range(0, tl.cdiv(X, BLOCK_X)):
+        x = g * BLOCK_X + xs
+        x_ok = x < X
+        a = tl.load(a_ptr + rows[:, None] * stride_a + x[None, :],
+                    mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
+                    mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
+        w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
+        if QUANTIZED_A:
+            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
+        elif IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
+        else:
+            acc += tl.dot(a, w.to(a.dtype)) * w_scale
+    tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
-    @triton.jit
-    def _quantize_rows(x_ptr, q_ptr, scale_ptr, X, G, amax_floor, inv_max, BLOCK_X: tl.constexpr):
-        """One program per (row, 128-group): amax, scale = amax / 448, codes = x / scale."""
-        row, g = tl.program_id(0), tl.program_id(1)
-        k = g * BLOCK_X + tl.arange(0, BLOCK_X)
-        x = tl.load(x_ptr + row * X + k, mask=k < X, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_max
-        # IEEE reciprocal (Triton's `/` may be approximate) as torch's, for identical codes
-        recip = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
-        q = (x * recip).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row * X + k, q, mask=k < X)
-        tl.store(scale_ptr + row * G + g, scale)
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, scale_ptr, X, G, amax_floor, inv_max, BLOCK_X: tl.constexpr):
+    """One program per (row, 128-group): amax, scale = amax / 448, codes = x / scale."""
+    row, g = tl.program_id(0), tl.program_id(1)
+    k = g * BLOCK_X + tl.arange(0, BLOCK_X)
+    x = tl.load(x_ptr + row * X + k, mask=k < X, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_max
+    # IEEE reciprocal (Triton's `/` may be approximate) as torch's, for identical codes
+    recip = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
+    q = (x * recip).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * X + k, q, mask=k < X)
+    tl.store(scale_ptr + row * G + g, scale)
