@@ -38,6 +38,8 @@ class Encoder(Protocol):
 class JsonlTask:
     """Problems of one split of a JSONL file, scored by a verifier."""
 
+    stop: tuple[str, ...] = ()
+
     def __init__(self, name: str, problems: Sequence[Problem], verifier: Verifier) -> None:
         if not problems:
             raise ValueError(f"task {name!r} has no problems")
