@@ -270,7 +270,12 @@ def run_run(args: argparse.Namespace) -> int:
             run.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    run.run(stop_after=args.stop_after, progress=not args.no_progress)
+    from birkhoff.tasks.guard import VerifierFailureError
+
+    try:
+        run.run(stop_after=args.stop_after, progress=not args.no_progress)
+    except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
+        raise UsageError(f"run stopped at step {run.step}: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         for line in run_summary(run.log.rows(), out):
