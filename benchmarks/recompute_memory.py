@@ -315,8 +315,11 @@ def run_sanitizer_case(args: argparse.Namespace) -> int:
     ids = torch.randint(0, small.vocab, (2, small.seq), generator=gen).to(args.device)
     case = args.sanitizer_case
     model = f"{'MoE' if args.moe else 'dense'} S={args.streams} M={args.mtp}"
-    print(f"sanitizer case {case}: {model}, kernels={args.kernels}, "
-          f"{args.sanitizer_steps} steps, birkhoff sanitizer {'on' if args.check else 'off'}")  # fmt: skip
+    check = "on" if args.check else "off"
+    print(
+        f"sanitizer case {case}: {model}, kernels={args.kernels}, "
+        f"{args.sanitizer_steps} steps, birkhoff sanitizer {check}"
+    )
     try:
         with sanitize() if args.check else contextlib.nullcontext():
             losses, grads = sanitizer_steps(small, case, ids)
