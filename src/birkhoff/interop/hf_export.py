@@ -30,7 +30,7 @@ from birkhoff.config import ModelConfig
 from birkhoff.interop.hf_config import hf_config_from_model, model_config_from_hf
 from birkhoff.interop.hf_import import HF_CONFIG_FILE, TOKENIZER_FILES, hf_name
 from birkhoff.interop.streaming import SINGLE_FILE, StreamingWriter, TensorSpec, dtype_of_name
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CONFIG_FILE,
     MODEL_FILE,
     CheckpointError,

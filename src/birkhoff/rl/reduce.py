@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from birkhoff.rl.rollout import Rollout
-from birkhoff.train.distributed import world_size
+from birkhoff.runtime.distributed import world_size
 
 
 def rollout_metrics(ro: Rollout, device: torch.device) -> dict[str, float]:
