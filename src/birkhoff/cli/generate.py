@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--speculative", type=int, default=0, help="MTP draft tokens per step")
+    parser.add_argument("--chat", action="store_true", help="prompts through the chat template")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
@@ -25,19 +26,18 @@ def run(args: argparse.Namespace) -> int:
     from birkhoff.interop.tokenizer import checkpoint_tokenizer
     from birkhoff.runtime.checkpoint import load_checkpoint
     from birkhoff.runtime.dcp import is_sharded_checkpoint
-    from birkhoff.tasks.batches import text_prompt_ids
 
     device = resolve_device(args.device)
     if is_sharded_checkpoint(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "
                          "consolidate --checkpoint DIR --out NEW_DIR` first")  # fmt: skip
     try:
-        tok = checkpoint_tokenizer(args.checkpoint)
+        tok = checkpoint_tokenizer(args.checkpoint, chat=args.chat)
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 stop_token_ids=tok.stop_ids,
                                 num_speculative_tokens=args.speculative)  # fmt: skip
-        prompts = [text_prompt_ids(text, tok) for text in args.prompt]
+        prompts = [tok.encode_prompt(text) for text in args.prompt]
         model = load_checkpoint(args.checkpoint).model.eval()
         engine = Engine.from_model(model, device=device, max_batch_size=len(prompts),
                                    max_speculative_tokens=max(args.speculative, 1))  # fmt: skip

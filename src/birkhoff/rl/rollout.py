@@ -44,7 +44,7 @@ class Rollout(NamedTuple):
 
 
 class RLBatch(NamedTuple):
-    input_ids: Tensor  # [B,T] [bos] prompt completion, right-padded
+    input_ids: Tensor  # [B,T] framed prompt + completion, right-padded
     completion_mask: Tensor  # [B,T] True on completion tokens
     rollout_logp: Tensor  # [B,T] engine logprob of token j (0 off the completion)
     advantages: Tensor  # [B]

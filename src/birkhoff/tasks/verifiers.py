@@ -4,6 +4,10 @@ A verifier is built from a spec string (`get_verifier`):
     "exact"            1.0 iff normalise(completion) == normalise(answer)
     "numeric"          1.0 iff both parse as numbers and are close (rel 1e-6, abs 1e-9)
     "numeric:TOL"      the same with absolute tolerance TOL (relative 0)
+    "answer"           free text: the answer read out of it (answers.py: <answer> tag, then
+                       \\boxed{}, then the last number) equals the reference's, exactly, as numbers
+    "countdown"        free text: the answer is a Countdown expression of the reference
+                       expression's numbers, each exactly once, with its value (countdown.py)
     "module:function"  any Python callable fn(problem, completion) -> float | bool
 Each verifier also checks reference answers up front (`check_answer`), so a data file with an
 answer the verifier can never match fails at load time, with its line number, not mid-training.
@@ -28,6 +32,8 @@ import unicodedata
 from collections.abc import Callable
 from typing import Protocol
 
+from birkhoff.tasks import countdown
+from birkhoff.tasks.answers import numeric_answer
 from birkhoff.tasks.problems import Problem
 
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -86,6 +92,35 @@ class NumericMatch:
         return 1.0 if math.isclose(value, ref, rel_tol=self.rel_tol, abs_tol=self.abs_tol) else 0.0
 
 
+class FreeTextAnswer:
+    """The number read out of a free-text completion equals the reference's (exact)."""
+
+    name = "answer"
+
+    def check_answer(self, answer: str) -> None:
+        if numeric_answer(answer) is None:
+            raise ValueError(f"answer {answer!r} holds no number (answer verifier)")
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        value = numeric_answer(completion)
+        return 1.0 if value is not None and value == numeric_answer(problem.answer) else 0.0
+
+
+class CountdownAnswer:
+    """The completion's expression solves the instance of the reference expression."""
+
+    name = "countdown"
+
+    def check_answer(self, answer: str) -> None:
+        try:
+            countdown.reference(answer)
+        except countdown.ExpressionError as err:
+            raise ValueError(f"answer {answer!r} is not a Countdown expression ({err})") from err
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        return countdown.countdown_reward(problem, completion)
+
+
 class PythonVerifier:
     """A user function fn(problem, completion) -> bool | float, named "module:function"."""
 
@@ -120,7 +155,7 @@ def load_function(spec: str) -> Callable[[Problem, str], object]:
     return fn
 
 
-VERIFIERS = ("exact", "numeric", "numeric:TOL", "module:function")
+VERIFIERS = ("exact", "numeric", "numeric:TOL", "answer", "countdown", "module:function")
 
 
 def get_verifier(spec: str) -> Verifier:
@@ -129,6 +164,10 @@ def get_verifier(spec: str) -> Verifier:
         return ExactMatch()
     if spec == "numeric":
         return NumericMatch()
+    if spec == "answer":
+        return FreeTextAnswer()
+    if spec == "countdown":
+        return CountdownAnswer()
     if spec.startswith("numeric:"):
         try:
             tol = float(spec.removeprefix("numeric:"))
