@@ -1,6 +1,6 @@
 """Rollout figures of a step over every rank: reward, its spread and MTP acceptance.
 
-Legend: N prompts, G group size.
+Legend: Q prompts, W group size.
 
 In one process they are the rollout's own figures (mean reward, population std, accepted drafts
 per verify step). Over several ranks each rank generated its share of the prompts; the sums
@@ -23,13 +23,19 @@ from birkhoff.train.distributed import world_size
 def rollout_metrics(ro: Rollout, device: torch.device) -> dict[str, float]:
     """{"reward", "reward_std", "accept_<j>", "generate_s"} of the global batch."""
     if world_size() == 1:
-        out = {"reward": float(ro.rewards_NG.mean()),
-               "reward_std": float(ro.rewards_NG.std(correction=0))}  # fmt: skip
+        out = {
+            "reward": float(ro.rewards_QW.mean()),
+            "reward_std": float(ro.rewards_QW.std(correction=0)),
+        }
         out.update({f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)})
         return out | {"generate_s": ro.seconds}
-    rewards_NG = ro.rewards_NG.double()
-    sums = [float(rewards_NG.sum()), float((rewards_NG**2).sum()), float(rewards_NG.numel()),
-            float(ro.num_verify_steps)]  # fmt: skip
+    rewards_QW = ro.rewards_QW.double()
+    sums = [
+        float(rewards_QW.sum()),
+        float((rewards_QW**2).sum()),
+        float(rewards_QW.numel()),
+        float(ro.num_verify_steps),
+    ]
     t = torch.tensor(sums + [float(a) for a in ro.accepted_at], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     seconds = torch.tensor([ro.seconds], dtype=torch.float64, device=device)
