@@ -79,7 +79,7 @@ def test_all_bad_lines_reported_with_tokenizer_and_length_checks(tmp_path: Path)
         )
     message = str(err.value)
     assert "data.jsonl:3: character 'Ä'" in message
-    assert "data.jsonl:4: 44 tokens with bos/eos > max_seq_len=32" in message
+    assert "data.jsonl:4: 44 tokens (framed prompt, answer, eos) > max_seq_len=32" in message
     assert "data.jsonl:5: answer 'four' is not a finite number" in message
     assert ":1:" not in message and ":2:" not in message
 

@@ -32,6 +32,8 @@ MAX_ERRORS = 20
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
 
 class JsonlTask:
     """Problems of one split of a JSONL file, scored by a verifier."""
@@ -113,10 +115,13 @@ def read_problems(
 
 
 def check_encodable(problem: Problem, tokenizer: Encoder, max_seq_len: int | None) -> None:
-    """Both texts encode, and [bos] prompt answer [eos] fits max_seq_len."""
-    num_tokens = 2 + len(tokenizer.encode(problem.prompt)) + len(tokenizer.encode(problem.answer))
+    """Both texts encode, and prompt (as the tokenizer frames it) answer [eos] fits max_seq_len."""
+    prompt = tokenizer.encode_prompt(problem.prompt)
+    num_tokens = len(prompt) + len(tokenizer.encode(problem.answer)) + 1
     if max_seq_len is not None and num_tokens > max_seq_len:
-        raise ValueError(f"{num_tokens} tokens with bos/eos > max_seq_len={max_seq_len}")
+        raise ValueError(
+            f"{num_tokens} tokens (framed prompt, answer, eos) > max_seq_len={max_seq_len}"
+        )
 
 
 def split_problems(
