@@ -64,9 +64,11 @@ class RLBatch(NamedTuple):
 
 
 def generate_batched(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams,
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
     detokenize: Detokenize | None = None,
-) -> tuple[list[Completion], list[int], int]:  # fmt: skip
+) -> tuple[list[Completion], list[int], int]:
     """One engine.generate over all prompts (continuous batching fills max_batch_size rows);
     (completions, accepted_at, verify steps)."""
     completions = engine.generate(prompts, params, detokenize=detokenize)
