@@ -6,8 +6,9 @@ The batch keeps the engine's per-token logprobs (the behaviour policy, sampled a
 `RLConfig.temperature` with no top-k/top-p, so they are the policy's own logprobs at T=1) and the
 `weight_version` of every completion; the trainer checks staleness against them before each
 update. Generation stops at the tokenizer's stop ids and the task's stop strings (`Task.stop`);
-the reward scores the completion's text (ending with its stop string, engine/stop.py). Token
-positions follow the label convention of model/mtp.py: `completion_mask[j]` and
+the reward scores the completion's text (ending with its stop string, engine/stop.py); a
+guarded user verifier's errors and timeouts during the rollout are counted (`verifier_counts`).
+Token positions follow the label convention of model/mtp.py: `completion_mask[j]` and
 `rollout_logp[j]` describe token j, which the model predicts at position j-1.
 """
 
@@ -40,6 +41,7 @@ class Rollout(NamedTuple):
     accepted_at: list[int]  # per draft position: verify steps that accepted it
     num_verify_steps: int
     seconds: float
+    verifier_counts: tuple[tuple[str, int], ...] = ()  # this rollout's verifier failures
 
     @property
     def acceptance(self) -> list[float]:
@@ -108,10 +110,19 @@ def rollout(
     completions, accepted_at, num_steps = generate_batched(
         engine, prompts, params, tokenizer.decode
     )
+    before = task_counts(task)
     rewards = [task.reward(p, c.text or "") for p, c in zip(grouped, completions, strict=True)]
+    counts = tuple((k, v - before[k]) for k, v in task_counts(task).items())
     rewards_QW = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
     seconds = time.perf_counter() - start
-    return Rollout(prompts, completions, rewards_QW, accepted_at, num_steps, seconds)
+    return Rollout(prompts, completions, rewards_QW, accepted_at, num_steps, seconds, counts)
+
+
+def task_counts(task: Task) -> dict[str, int]:
+    """A task's verifier calls / errors / timeouts so far, for tasks scored by a guarded user
+    verifier (tasks/guard.py: `counts()`), else {}."""
+    counts = getattr(task, "counts", None)
+    return {} if counts is None else dict(counts())
 
 
 def build_rl_batch(rollout: Rollout, advantages_QW: Tensor, *, pad_id: int) -> RLBatch:

@@ -21,7 +21,7 @@ import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from birkhoff.tasks.problems import Problem
 from birkhoff.tasks.verifiers import Verifier, get_verifier
@@ -54,6 +54,11 @@ class JsonlTask:
     def max_length(self) -> int:
         """Longest prompt + answer in characters."""
         return max(len(p.prompt) + len(p.answer) for p in self.problems)
+
+    def counts(self) -> dict[str, int]:
+        """The guarded verifier's calls, errors and timeouts so far (guard.py); {} for others."""
+        counts = getattr(self.verifier, "counts", None)
+        return {} if counts is None else counts()
 
 
 class JsonlSplits(NamedTuple):
@@ -149,12 +154,14 @@ def load_jsonl_tasks(
     seed: int = 0,
     tokenizer: Encoder | None = None,
     max_seq_len: int | None = None,
+    **guard: Any,
 ) -> JsonlSplits:
     """Train and held-out tasks from JSONL file(s), every line checked before returning.
 
-    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits.
+    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits;
+    `guard` sets a user verifier's timeout and failure limits (guard.GuardedVerifier).
     """
-    check = get_verifier(verifier)
+    check = get_verifier(verifier, **guard)
 
     def read(file: str | os.PathLike[str]) -> list[Problem]:
         return read_problems(Path(file), check, tokenizer=tokenizer, max_seq_len=max_seq_len)
