@@ -201,8 +201,11 @@ def write_checkpoint_dir(
 
 def side_files(directory: Path) -> dict[str, bytes]:
     """Tokenizer and generation files present in an HF directory, byte for byte."""
-    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES
-            if (directory / name).is_file()}  # fmt: skip
+    return {
+        name: (directory / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    }
 
 
 def import_hf(
@@ -229,8 +232,14 @@ def import_hf(
     source = SafetensorsSource(src)
     plan, producers, aliases = plan_tensors(cfg, source)
     extra = {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}
-    meta = {"format": FORMAT_VERSION, "step": 0, "aliases": aliases, "has_optimizer": False,
-            "torch": torch.__version__, "extra": extra}  # fmt: skip
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": 0,
+        "aliases": aliases,
+        "has_optimizer": False,
+        "torch": torch.__version__,
+        "extra": extra,
+    }
 
     def write_model(tmp: Path) -> tuple[int, str]:
         writer = StreamingWriter(tmp / MODEL_FILE, plan)

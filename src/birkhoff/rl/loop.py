@@ -197,8 +197,8 @@ class GRPORun:
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
         ro = rollout(self.engine, take(problems, self.dist), self.task, self.tokenizer, rl,
                      seed=self.rank_seed(sampling_seed(seed, self.step)))  # fmt: skip
-        adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
-        batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
+        adv_QW = group_advantages(ro.rewards_QW, normalize_std=rl.normalize_adv_std)
+        batch = build_rl_batch(ro, adv_QW, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
         report = self.refit()
         timings = {"train_s": train_s, "refit_s": report.seconds, **memory_metrics(self.device)}
