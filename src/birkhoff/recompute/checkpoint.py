@@ -102,9 +102,13 @@ class _Frame:
     """One checkpoint call: fn, its inputs, the forward's RNG state and its slots."""
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple, reclaim: Reclaim, label: str,
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        reclaim: Reclaim,
+        label: str,
         registry: StorageRegistry | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fn, self.reclaim, self.label, self.registry = fn, reclaim, label, registry
         self.inputs: tuple | None = args
         self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
