@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "birkhoff"
-MAX_FUNCTION_LINES = 60  # def line to last line, docstring included
+MAX_FUNCTION_LINES = 60  # a body's lines, signature and docstring not counted
 
 
 def imported(source: str, path: Path) -> set[str]:
@@ -70,12 +70,9 @@ def allowed(subpackage: str) -> set[str]:
     return below | ({"interop"} if subpackage in ("rl", "presets", "cli") else set())
 
 
-# Edges that break the rules today, each until the move that removes it lands: train/'s shared
-# services go to runtime/ and argument parsing to cli/ (#44 item 2). No new edge may join them.
+# Edges that break the rules today (rl/ reads presets, which import rl/'s config: a cycle), each
+# until the change that removes it lands. No new edge may join them.
 KNOWN = {
-    ("interop/hf_export.py", "train"),
-    ("interop/hf_import.py", "train"),
-    ("train/loop.py", "presets"),
     ("rl/inputs.py", "presets"),
     ("rl/loop.py", "presets"),
 }
@@ -118,14 +115,24 @@ LONG_KERNELS = {
 }
 
 
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body after its signature and docstring (the formatter lays out
+    signatures and call arguments one a line; that is no part of a function's size)."""
+    first = node.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    if docstring and isinstance(first.value.value, str) and len(node.body) > 1:  # type: ignore[attr-defined]
+        first = node.body[1]
+    return node.end_lineno - first.lineno + 1  # type: ignore[operator]
+
+
 def function_lengths() -> dict[str, int]:
-    """ "file:function" -> lines from its def to its last line, for every function."""
-    out = {}
+    """ "file:function" -> its body's lines (`body_lines`), for every function of the package."""
+    out: dict[str, int] = {}
     for f in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = f"{f.relative_to(SRC)}:{node.name}"
-                out[name] = max(out.get(name, 0), node.end_lineno - node.lineno + 1)  # type: ignore[operator]
+                out[name] = max(out.get(name, 0), body_lines(node))
     return out
 
 

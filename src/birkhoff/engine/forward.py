@@ -15,7 +15,7 @@ re-implements none of the model math, so an fp32 engine matches the trainer to r
 fused kernel replaces an op in one place. Every such call passes `kernels=cfg.mhc_kernels`:
 on CUDA ("auto") the mHC ops, RMSNorm, rope and SwiGLU run as fused Triton kernels (the per-token
 ops forward-only: a step needs no gradient), elsewhere as the eager reference; a fused
-hyper-connection enters its sublayer through `kernels.mhc_entry` (coefficients, mix in and
+hyper-connection enters its sublayer through `kernels.mhc.entry` (coefficients, mix in and
 norm after the projection as one launch; H_post and H_res on a side stream beside F), and its
 mix out also projects the new streams for the next entry's coefficients.
 Attention is SDPA with an explicit mask `key position <= query position` over cache slots

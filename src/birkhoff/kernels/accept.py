@@ -30,11 +30,32 @@ def _residual(p_row, q_row, v, V, has_q, use_p):
 
 @triton.jit
 def verify_accept_kernel(
-    logits_ptr, q_ptr, drafts_ptr, rows_ptr, n_ptr, live_ptr, temp_ptr, greedy_ptr, key_ptr,
-    tokens_ptr, n_rows_ptr, starts_ptr, logp_ptr, probs_ptr, out_ptr, num_ptr, V, J,
-    stride_tokens, stride_starts, trash, TAGS: tl.constexpr, SAMPLE: tl.constexpr,
-    ACCEPT: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    q_ptr,
+    drafts_ptr,
+    rows_ptr,
+    n_ptr,
+    live_ptr,
+    temp_ptr,
+    greedy_ptr,
+    key_ptr,
+    tokens_ptr,
+    n_rows_ptr,
+    starts_ptr,
+    logp_ptr,
+    probs_ptr,
+    out_ptr,
+    num_ptr,
+    V,
+    J,
+    stride_tokens,
+    stride_starts,
+    trash,
+    TAGS: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    ACCEPT: tl.constexpr,
+    BV: tl.constexpr,
+):
     a = tl.program_id(0).to(tl.int64)
     T = J + 1
     row = tl.load(rows_ptr + a)
@@ -45,8 +66,9 @@ def verify_accept_kernel(
     key = tl.load(key_ptr + row)
     for i in range(T):
         r = a * T + i
-        sample_row(logits_ptr + r * V, logp_ptr + r * V, probs_ptr + r * V, t, greedy, 0.0, V,
-                    False, BV)  # fmt: skip
+        sample_row(
+            logits_ptr + r * V, logp_ptr + r * V, probs_ptr + r * V, t, greedy, 0.0, V, False, BV
+        )
     tl.debug_barrier()
     one = tl.arange(0, 1)
     num = tl.zeros([1], dtype=tl.int64)
@@ -103,16 +125,31 @@ def verify_accept_kernel(
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
-        raise ValueError(f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
-                         f"{shape}, got {t.dtype}{tuple(t.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
+            f"{shape}, got {t.dtype}{tuple(t.shape)}"
+        )
 
 
 @torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN", "n_B", "starts_JB"))
 def verify_accept(
-    logits_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, rows_A: Tensor, n_A: Tensor,
-    live_A: Tensor, temperature_R: Tensor, greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor,
-    n_B: Tensor, starts_JB: Tensor, trash: int, tags: int, sample_tag: int, accept_tag: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    logits_ATV: Tensor,
+    q_AJV: Tensor,
+    drafts_AJ: Tensor,
+    rows_A: Tensor,
+    n_A: Tensor,
+    live_A: Tensor,
+    temperature_R: Tensor,
+    greedy_R: Tensor,
+    key_R: Tensor,
+    tokens_BN: Tensor,
+    n_B: Tensor,
+    starts_JB: Tensor,
+    trash: int,
+    tags: int,
+    sample_tag: int,
+    accept_tag: int,
+) -> tuple[Tensor, Tensor]:
     """(accepted drafts a [A] int64, [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs)
     for the main model's logits [A, T, V] at positions n..n+J of cache rows `rows_A`, the J
     drafts [A, J] (int64) and the distributions q [A, J, V] (fp32) they were drawn from: exact
@@ -124,8 +161,10 @@ def verify_accept(
     k = 1..J (int64; the first position draft depth k recomputes)."""
     check_inputs(logits_ATV)
     if logits_ATV.dim() != 3 or drafts_AJ.dim() != 2:
-        raise ValueError(f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
-                         f"{tuple(logits_ATV.shape)} / {tuple(drafts_AJ.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
+            f"{tuple(logits_ATV.shape)} / {tuple(drafts_AJ.shape)}"
+        )
     (A, T, V), J = logits_ATV.shape, drafts_AJ.shape[1]
     if T != J + 1 or J < 1:
         raise ValueError(f"verify_accept: {T} verified positions for {J} drafts (need J + 1)")
@@ -135,21 +174,45 @@ def verify_accept(
     check_tokens("verify_accept", tokens_BN, trash)
     check_vector("verify_accept", "n_B", n_B, torch.long, None)
     if starts_JB.dtype != torch.long or starts_JB.dim() != 2 or starts_JB.stride(1) != 1:
-        raise ValueError(f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
-                         f"{starts_JB.dtype}{tuple(starts_JB.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
+            f"{starts_JB.dtype}{tuple(starts_JB.shape)}"
+        )
     if starts_JB.shape[0] < J or starts_JB.shape[1] != n_B.shape[0]:
-        raise ValueError(f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and "
-                         f"{n_B.shape[0]} rows")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and {n_B.shape[0]} rows"
+        )
     num, out = _fake(logits_ATV, drafts_AJ)
     if A and V:
         scratch = logits_ATV.new_empty((2, A, T, V), dtype=torch.float32)  # logp, p
         verify_accept_kernel[(A,)](
-            logits_ATV.contiguous(), q_AJV, drafts_AJ, rows_A, n_A, live_A.contiguous(),
-            temperature_R, greedy_R, key_R, tokens_BN, n_B, starts_JB, scratch[0], scratch[1],
-            out, num, V, J, tokens_BN.stride(0), starts_JB.stride(0), trash, TAGS=tags,
-            SAMPLE=sample_tag, ACCEPT=accept_tag,
-            BV=min(BV, max(16, pow2(V))), num_warps=4,
-        )  # fmt: skip
+            logits_ATV.contiguous(),
+            q_AJV,
+            drafts_AJ,
+            rows_A,
+            n_A,
+            live_A.contiguous(),
+            temperature_R,
+            greedy_R,
+            key_R,
+            tokens_BN,
+            n_B,
+            starts_JB,
+            scratch[0],
+            scratch[1],
+            out,
+            num,
+            V,
+            J,
+            tokens_BN.stride(0),
+            starts_JB.stride(0),
+            trash,
+            TAGS=tags,
+            SAMPLE=sample_tag,
+            ACCEPT=accept_tag,
+            BV=min(BV, max(16, pow2(V))),
+            num_warps=4,
+        )
     return num, out
 
 

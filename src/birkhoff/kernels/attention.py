@@ -71,15 +71,56 @@ def _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, 
 
 @triton.jit
 def decode_attention_fwd(
-    q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
-    kn_ptr, vn_ptr, cos_ptr, sin_ptr,
-    T, R, G, H, K, limit, scale, P,
-    sp_a, sp_t, sr_a, sr_t, sq_a, sq_t, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-    skn_a, skn_t, skn_g, svn_a, svn_t, svn_g,
-    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    pos_ptr,
+    valid_ptr,
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    T,
+    R,
+    G,
+    H,
+    K,
+    limit,
+    scale,
+    P,
+    sp_a,
+    sp_t,
+    sr_a,
+    sr_t,
+    sq_a,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_g,
+    sk_n,
+    sv_b,
+    sv_g,
+    sv_n,
+    skn_a,
+    skn_t,
+    skn_g,
+    svn_a,
+    svn_t,
+    svn_g,
+    SPLIT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     ROPE: tl.constexpr,
-):  # fmt: skip
+):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     a, g = pid // G, pid % G
@@ -108,10 +149,20 @@ def decode_attention_fwd(
         a64, t_ok = a.to(tl.int64), t_all < T
         cos, sin = _angles(cos_ptr, sin_ptr, (a64 * T + t_all)[:, None], d[None, :], K // 2)
         new_ok = t_ok[:, None] & d_ok[None, :]
-        k_new = _rotated(kn_ptr, (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None], d[None, :],
-                         new_ok, K // 2, cos, sin)  # fmt: skip
-        v_new = tl.load(vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None] + d[None, :],
-                        mask=new_ok, other=0.0)  # fmt: skip
+        k_new = _rotated(
+            kn_ptr,
+            (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None],
+            d[None, :],
+            new_ok,
+            K // 2,
+            cos,
+            sin,
+        )
+        v_new = tl.load(
+            vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None] + d[None, :],
+            mask=new_ok,
+            other=0.0,
+        )
         writes = real_t & (pos_t < limit) & (pos_t // SPLIT == s)
         own = writes[:, None] & d_ok[None, :]
         slot = pos_t.to(tl.int64)[:, None]
@@ -134,8 +185,9 @@ def decode_attention_fwd(
         n_ok = n < hi
         kt = tl.load(
             k_base + n[None, :].to(tl.int64) * sk_n + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # fmt: skip
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         if DOT_FP32:
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
@@ -152,14 +204,48 @@ def decode_attention_fwd(
 
 @triton.jit
 def decode_attention_heads(
-    q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, valid_ptr, out_ptr, part_ptr, stat_ptr,
-    kn_ptr, vn_ptr, cos_ptr, sin_ptr,
-    G, K, limit, scale, P, sp_a, sr_a, sq_a, sq_h, sk_b, sk_g, sk_n, sv_b, sv_g, sv_n,
-    skn_a, skn_g, svn_a, svn_g,
-    SPLIT: tl.constexpr, HB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    pos_ptr,
+    valid_ptr,
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    G,
+    K,
+    limit,
+    scale,
+    P,
+    sp_a,
+    sr_a,
+    sq_a,
+    sq_h,
+    sk_b,
+    sk_g,
+    sk_n,
+    sv_b,
+    sv_g,
+    sv_n,
+    skn_a,
+    skn_g,
+    svn_a,
+    svn_g,
+    SPLIT: tl.constexpr,
+    HB: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     ROPE: tl.constexpr,
-):  # fmt: skip
+):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     blocks = tl.cdiv(G, HB)
@@ -185,10 +271,12 @@ def decode_attention_heads(
         cos, sin = cos[None, :], sin[None, :]
         q = _rotated(q_ptr, a64 * sq_a + h_m[:, None] * sq_h, d[None, :], q_ok, K // 2, cos, sin)
         q = q.to(q_ptr.dtype.element_ty)
-        k_new = _rotated(kn_ptr, a64 * skn_a + h_m[:, None] * skn_g, d[None, :], q_ok, K // 2,
-                         cos, sin).to(k_ptr.dtype.element_ty)  # fmt: skip
-        v_new = tl.load(vn_ptr + a64 * svn_a + h_m[:, None] * svn_g + d[None, :], mask=q_ok,
-                        other=0.0).to(v_ptr.dtype.element_ty)  # fmt: skip
+        k_new = _rotated(
+            kn_ptr, a64 * skn_a + h_m[:, None] * skn_g, d[None, :], q_ok, K // 2, cos, sin
+        ).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(
+            vn_ptr + a64 * svn_a + h_m[:, None] * svn_g + d[None, :], mask=q_ok, other=0.0
+        ).to(v_ptr.dtype.element_ty)
         first = real & (qpos < limit) & (qpos // SPLIT == s)
         writes = tl.where(first, q_ok, False)  # (the interpreter's scalar & gives an int mask)
         h64, pos64 = h_m[:, None].to(tl.int64), qpos.to(tl.int64)
@@ -215,8 +303,9 @@ def decode_attention_heads(
         n_ok = (n < hi) & (h_c < G)
         kt = tl.load(
             k_base[None, :] + n[None, :].to(tl.int64) * sk_n + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # fmt: skip
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         if DOT_FP32:
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale
@@ -231,9 +320,7 @@ def decode_attention_heads(
 
 
 @triton.jit
-def decode_attention_combine(
-    part_ptr, stat_ptr, out_ptr, P, K, BP: tl.constexpr, BK: tl.constexpr
-):  # fmt: skip
+def decode_attention_combine(part_ptr, stat_ptr, out_ptr, P, K, BP: tl.constexpr, BK: tl.constexpr):
     o_row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BP)
     d = tl.arange(0, BK)
@@ -244,8 +331,9 @@ def decode_attention_combine(
     w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
     acc = tl.load(
         part_ptr + (o_row * P + s[:, None]) * K + d[None, :],
-        mask=s_ok[:, None] & (d < K)[None, :], other=0.0,
-    )  # fmt: skip
+        mask=s_ok[:, None] & (d < K)[None, :],
+        other=0.0,
+    )
     total = tl.sum(acc * w_s[:, None], axis=0)
     norm = tl.sum(l_s * w_s, axis=0)
     out = total / tl.where(norm == 0.0, 1.0, norm)
@@ -255,25 +343,26 @@ def decode_attention_combine(
 SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
 MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
 # BN keys per block inside a program, and the launch; read at every call, so
-# benchmarks/decode_attention.py can sweep it (H200, `decode_attention-cuda.json`: 2 warps beat
-# 4 at every decode shape timed; 32 keys a block beat 64 by 9-12% at 88 positions, 1% at 400,
-# and lose 3% at 2000)
+# benchmarks/decode_attention.py can sweep it (the measurements: docs/log/kernels.md)
 CONFIG = dict(BN=32, num_warps=2, num_stages=3)
 # `decode_attention_heads`' launch, for T = 1 and H = G from PAIRS (row, kv head) pairs a call
-# up: HB kv heads a program, BN key columns a block (BN / HB keys of each head); HB 0: off. With
-# rope, h200-small's 12 heads, graph-timed us a layer (`decode_attention-cuda-rope.json`): 256
-# rows at 88 positions 21.7 against the per-head kernel's 25.9, 400 positions 82.3 / 86.9, 128
-# rows 10.2 / 12.9; below ~100 rows it has too few programs (64 rows: 8.1 / 7.0, 1 row: 7.2 /
-# 4.1). The choice depends on the batch, never on `limit`, so a CUDA graph's key bucket does not
+# up: HB kv heads a program, BN key columns a block (BN / HB keys of each head); HB 0: off. It
+# wins from about a hundred rows; below, it has too few programs (docs/log/kernels.md). The
+# choice depends on the batch, never on `limit`, so a CUDA graph's key bucket does not
 # change a row's bits (its padded batch bucket may, as the GEMMs' tiles do)
 HEADS = dict(HB=2, BN=32, num_warps=1, num_stages=2, PAIRS=1536)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
 def decode_attention(
-    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-    valid_AT: Tensor, limit: int,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
+    limit: int,
+) -> Tensor:
     """softmax(q k^T / sqrt(K)) v per row over its cache row `rows_A[a]`: token t of row a sees
     the keys at positions <= positions_AT[a, t] and < limit; a row's padded tokens (valid_AT
     False) are ignored when the row's key range is found (their outputs are unspecified).
@@ -283,10 +372,18 @@ def decode_attention(
 
 @torch.library.custom_op("birkhoff::decode_attention_rope", mutates_args=("k_BGNK", "v_BGNK"))
 def decode_attention_rope(
-    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cos_ATK2: Tensor, sin_ATK2: Tensor,
-    k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor, valid_AT: Tensor,
+    q_ATHK: Tensor,
+    k_ATGK: Tensor,
+    v_ATGK: Tensor,
+    cos_ATK2: Tensor,
+    sin_ATK2: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
     limit: int,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """`norm_rope.rope_cache` then `decode_attention` in one launch, for a chunk of decode size
     (a decode, draft or verify step): q and k are the tokens' raw projections (views of the
     fused qkv projection may be passed), rotated here; k and v are written into the caches at
@@ -295,12 +392,16 @@ def decode_attention_rope(
     A, T, H, K = q_ATHK.shape
     G = k_ATGK.shape[2]
     if K % 2 or k_ATGK.shape != (A, T, G, K) or v_ATGK.shape != (A, T, G, K):
-        raise ValueError(f"decode_attention_rope: the chunk's q, k and v with an even head dim, "
-                         f"got q {tuple(q_ATHK.shape)}, k {tuple(k_ATGK.shape)}, "
-                         f"v {tuple(v_ATGK.shape)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention_rope: the chunk's q, k and v with an even head dim, "
+            f"got q {tuple(q_ATHK.shape)}, k {tuple(k_ATGK.shape)}, "
+            f"v {tuple(v_ATGK.shape)}"
+        )
     if cos_ATK2.shape != (A, T, K // 2) or sin_ATK2.shape != cos_ATK2.shape:
-        raise ValueError(f"decode_attention_rope: angles {tuple(cos_ATK2.shape)} / "
-                         f"{tuple(sin_ATK2.shape)}, expected {(A, T, K // 2)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention_rope: angles {tuple(cos_ATK2.shape)} / "
+            f"{tuple(sin_ATK2.shape)}, expected {(A, T, K // 2)}"
+        )
     check_inputs(k_ATGK, v_ATGK)
     if k_ATGK.stride(-1) != 1 or v_ATGK.stride(-1) != 1:
         raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
@@ -314,15 +415,23 @@ def heads_kernel(A: int, T: int, H: int, G: int) -> bool:
 
 
 def _attend(
-    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-    valid_AT: Tensor, limit: int, rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
+    limit: int,
+    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+) -> Tensor:
     check_inputs(q_ATHK, k_BGNK, v_BGNK)
     A, T, H, K = q_ATHK.shape
     G = k_BGNK.shape[1]
     if H % G or k_BGNK.shape[-1] != K or v_BGNK.shape != k_BGNK.shape:
-        raise ValueError(f"decode_attention: q {tuple(q_ATHK.shape)} vs cache "
-                         f"{tuple(k_BGNK.shape)} / {tuple(v_BGNK.shape)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention: q {tuple(q_ATHK.shape)} vs cache "
+            f"{tuple(k_BGNK.shape)} / {tuple(v_BGNK.shape)}"
+        )
     if limit > k_BGNK.shape[2]:
         raise ValueError(f"decode_attention: limit {limit} exceeds {k_BGNK.shape[2]} positions")
     if T * (H // G) > MAX_QUERIES:
@@ -344,34 +453,104 @@ def _attend(
         launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
-            raise ValueError(f"decode_attention: HEADS HB {hb} must be a power of two dividing "
-                             f"BN {launch['BN']}")  # fmt: skip
+            raise ValueError(
+                f"decode_attention: HEADS HB {hb} must be a power of two dividing BN {launch['BN']}"
+            )
         decode_attention_heads[(A * -(-G // hb), P)](
-            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
-            k_new, v_new, cos, sin,
-            G, K, limit, K**-0.5, P, positions_AT.stride(0), valid_AT.stride(0),
-            q_ATHK.stride(0), q_ATHK.stride(2),
-            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
-            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
-            SPLIT=SPLIT, HB=hb, BM=max(16, pow2(hb)), BK=BK, DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, ROPE=rope is not None, **launch,
-        )  # fmt: skip
+            q_ATHK,
+            k_BGNK,
+            v_BGNK,
+            rows_A,
+            positions_AT,
+            valid_AT,
+            out,
+            part,
+            stat,
+            k_new,
+            v_new,
+            cos,
+            sin,
+            G,
+            K,
+            limit,
+            K**-0.5,
+            P,
+            positions_AT.stride(0),
+            valid_AT.stride(0),
+            q_ATHK.stride(0),
+            q_ATHK.stride(2),
+            k_BGNK.stride(0),
+            k_BGNK.stride(1),
+            k_BGNK.stride(2),
+            v_BGNK.stride(0),
+            v_BGNK.stride(1),
+            v_BGNK.stride(2),
+            k_new.stride(0),
+            k_new.stride(2),
+            v_new.stride(0),
+            v_new.stride(2),
+            SPLIT=SPLIT,
+            HB=hb,
+            BM=max(16, pow2(hb)),
+            BK=BK,
+            DIRECT=direct,
+            PRECISION=precision,
+            DOT_FP32=INTERPRET,
+            ROPE=rope is not None,
+            **launch,
+        )
     elif A * T:
         decode_attention_fwd[(A * G, P)](
-            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
-            k_new, v_new, cos, sin,
-            T, R, G, H, K, limit, K**-0.5, P,
-            positions_AT.stride(0), positions_AT.stride(1), valid_AT.stride(0), valid_AT.stride(1),
-            q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
-            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
-            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            k_new.stride(0), k_new.stride(1), k_new.stride(2),
-            v_new.stride(0), v_new.stride(1), v_new.stride(2),
-            SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
-            DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, ROPE=rope is not None, **CONFIG,
-        )  # fmt: skip
+            q_ATHK,
+            k_BGNK,
+            v_BGNK,
+            rows_A,
+            positions_AT,
+            valid_AT,
+            out,
+            part,
+            stat,
+            k_new,
+            v_new,
+            cos,
+            sin,
+            T,
+            R,
+            G,
+            H,
+            K,
+            limit,
+            K**-0.5,
+            P,
+            positions_AT.stride(0),
+            positions_AT.stride(1),
+            valid_AT.stride(0),
+            valid_AT.stride(1),
+            q_ATHK.stride(0),
+            q_ATHK.stride(1),
+            q_ATHK.stride(2),
+            k_BGNK.stride(0),
+            k_BGNK.stride(1),
+            k_BGNK.stride(2),
+            v_BGNK.stride(0),
+            v_BGNK.stride(1),
+            v_BGNK.stride(2),
+            k_new.stride(0),
+            k_new.stride(1),
+            k_new.stride(2),
+            v_new.stride(0),
+            v_new.stride(1),
+            v_new.stride(2),
+            SPLIT=SPLIT,
+            BM=max(16, pow2(T * R)),
+            BK=BK,
+            BT=max(2, pow2(T)),
+            DIRECT=direct,
+            PRECISION=precision,
+            DOT_FP32=INTERPRET,
+            ROPE=rope is not None,
+            **CONFIG,
+        )
     if A * T and not direct:
         decode_attention_combine[(A * T * H,)](
             part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2

@@ -17,7 +17,7 @@ memory-bound decode pays for. The two modes of `fp8_linear`:
       y[n, y] = sum_g  w_scale[y // 128, g] * sum_{x in g} x[n, x] qw[y, x]
   One launch and no activation rounding; at tens of rows the product is not what bounds the
   matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there;
-  at a few hundred it does (CONFIG's comment has the timings).
+  at a few hundred it does (docs/log/kernels.md).
   The CPU reference of this mode is the dequantizing path itself, up to the fp32 sums' order.
 
 Reference: `fp8_linear_reference` computes either formula from the dequantized operands in
@@ -73,8 +73,9 @@ def quantize_activation_cuda(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     x_NX = x_NX.contiguous()
     qa_NX = torch.empty(N, X, dtype=FP8_DTYPE, device=x_NX.device)
     a_scale_NG = torch.empty(N, G, dtype=torch.float32, device=x_NX.device)
-    _quantize_rows[(N, G)](x_NX, qa_NX, a_scale_NG, X, G, AMAX_FLOOR, 1.0 / FP8_MAX,
-                           BLOCK_X=FP8_BLOCK)  # fmt: skip
+    _quantize_rows[(N, G)](
+        x_NX, qa_NX, a_scale_NG, X, G, AMAX_FLOOR, 1.0 / FP8_MAX, BLOCK_X=FP8_BLOCK
+    )
     return qa_NX, a_scale_NG
 
 
@@ -126,30 +127,54 @@ def fp8_linear(
     block_y = CONFIG["BLOCK_Y_FEW"] if N <= 64 else CONFIG["BLOCK_Y"]
     grid = (triton.cdiv(N, block_m), triton.cdiv(Y, block_y))
     _fp8_gemm[grid](
-        a_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
-        a_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0),
-        QUANTIZED_A=quantize_input, IEEE=a_NX.dtype == torch.float32 or interpreting(),
-        BLOCK_N=block_m, BLOCK_Y=block_y, BLOCK_X=FP8_BLOCK, num_warps=4, num_stages=3,
-    )  # fmt: skip
+        a_NX,
+        a_scale_NG,
+        q_YX,
+        scale_inv,
+        y_NY,
+        N,
+        Y,
+        X,
+        a_NX.stride(0),
+        a_scale_NG.stride(0),
+        scale_inv.stride(0),
+        QUANTIZED_A=quantize_input,
+        IEEE=a_NX.dtype == torch.float32 or interpreting(),
+        BLOCK_N=block_m,
+        BLOCK_Y=block_y,
+        BLOCK_X=FP8_BLOCK,
+        num_warps=4,
+        num_stages=3,
+    )
     return y_NY.view(*x.shape[:-1], Y)
 
 
 # output features a program (dividing FP8_BLOCK), up to 64 activation rows and above: narrow
-# tiles give few rows more programs (H200, `python benchmarks/fp8_matmul.py`, docs/results.md:
-# a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); WEIGHT_ONLY_ROWS:
-# up to how many rows the weight-only mode runs (H100, same script: a layer's projections at
-# 16 / 64 rows 24.2 / 26.7 us weight-only against 27.0 / 28.6 fp8 x fp8, at 256 rows 41.1
-# against 35.0: there the bf16 dots cost more than the quantization launch); read at every call
+# tiles give few rows more programs; WEIGHT_ONLY_ROWS: up to how many rows the weight-only mode
+# runs (beyond, the bf16 dots cost more than the quantization launch). Measured with
+# `python benchmarks/fp8_matmul.py` (docs/log/kernels.md); read at every call
 CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 64}
 
 
 @triton.jit
 def _fp8_gemm(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
-    stride_a, stride_a_scale, stride_w_scale,
-    QUANTIZED_A: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    y_ptr,
+    N,
+    Y,
+    X,
+    stride_a,
+    stride_a_scale,
+    stride_w_scale,
+    QUANTIZED_A: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Y: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
     """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
     divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
     codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
@@ -165,10 +190,14 @@ def _fp8_gemm(
     for g in range(0, tl.cdiv(X, BLOCK_X)):
         x = g * BLOCK_X + xs
         x_ok = x < X
-        a = tl.load(a_ptr + rows[:, None] * stride_a + x[None, :],
-                    mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
-                    mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_a + x[None, :],
+            mask=row_ok[:, None] & x_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :] * X + x[:, None], mask=col_ok[None, :] & x_ok[:, None], other=0.0
+        )
         w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
         if QUANTIZED_A:
             a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
@@ -177,8 +206,11 @@ def _fp8_gemm(
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
         else:
             acc += tl.dot(a, w.to(a.dtype)) * w_scale
-    tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    tl.store(
+        y_ptr + rows[:, None] * Y + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit

@@ -25,9 +25,18 @@ AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
 
 @triton.jit
 def _quantize_block(
-    w_ptr, q_ptr, s_ptr, rows, cols, stride_w, stride_q, num_col_blocks,
-    amax_floor, inv_max, BLOCK: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    stride_w,
+    stride_q,
+    num_col_blocks,
+    amax_floor,
+    inv_max,
+    BLOCK: tl.constexpr,
+):
     block_r, block_c = tl.program_id(0), tl.program_id(1)
     r = block_r * BLOCK + tl.arange(0, BLOCK)[:, None]
     c = block_c * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -72,7 +81,17 @@ def quantize_fp8_blockwise_triton(
         q, scale_inv = out
     if q.numel():
         _quantize_block[(num_r, num_c)](
-            w, q, scale_inv, rows, cols, w.stride(0), q.stride(0), num_c,
-            amax_floor, inv_max, BLOCK=block, num_warps=8,
-        )  # fmt: skip
+            w,
+            q,
+            scale_inv,
+            rows,
+            cols,
+            w.stride(0),
+            q.stride(0),
+            num_c,
+            amax_floor,
+            inv_max,
+            BLOCK=block,
+            num_warps=8,
+        )
     return q, scale_inv

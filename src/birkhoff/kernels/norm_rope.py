@@ -21,9 +21,17 @@ from birkhoff.kernels.common import check_inputs, pow2, tl, triton
 
 @triton.jit
 def rms_norm_fwd(
-    x_ptr, w_ptr, y_ptr, N, D, stride_x, eps,
-    HAS_W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    D,
+    stride_x,
+    eps,
+    HAS_W: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     d = tl.arange(0, BD)
     ok = (n < N)[:, None] & (d < D)[None, :]
@@ -66,38 +74,105 @@ def _angles(cos_ptr, sin_ptr, token, K2, k):
 
 @triton.jit
 def rope_fwd(
-    x_ptr, cos_ptr, sin_ptr, y_ptr, H, K2, stride_row, stride_head,
-    BH: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    H,
+    K2,
+    stride_row,
+    stride_head,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     k = tl.arange(0, BK)
     ok = (h < H)[:, None] & (k < K2)[None, :]
     cos, sin = _angles(cos_ptr, sin_ptr, row, K2, k)
-    _rotate(x_ptr + row * stride_row, y_ptr + row * (H * 2 * K2), cos, sin, h, ok, K2,
-            stride_head, 2 * K2, k)  # fmt: skip
+    _rotate(
+        x_ptr + row * stride_row,
+        y_ptr + row * (H * 2 * K2),
+        cos,
+        sin,
+        h,
+        ok,
+        K2,
+        stride_head,
+        2 * K2,
+        k,
+    )
 
 
 @triton.jit
 def rope_cache_fwd(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr, pos_ptr,
-    T, H, G, K2, sq_a, sq_t, sq_h, sk_a, sk_t, sk_h, sv_a, sv_t, sv_h, sp_a, sp_t,
-    skc_b, skc_g, skc_n, svc_b, svc_g, svc_n,
-    BH: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    rows_ptr,
+    pos_ptr,
+    T,
+    H,
+    G,
+    K2,
+    sq_a,
+    sq_t,
+    sq_h,
+    sk_a,
+    sk_t,
+    sk_h,
+    sv_a,
+    sv_t,
+    sv_h,
+    sp_a,
+    sp_t,
+    skc_b,
+    skc_g,
+    skc_n,
+    svc_b,
+    svc_g,
+    svc_n,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)  # a * T + t
     a, t = token // T, token % T
     k = tl.arange(0, BK)
     h = tl.arange(0, BH)
     cos, sin = _angles(cos_ptr, sin_ptr, token, K2, k)
     ok_q = (h < H)[:, None] & (k < K2)[None, :]
-    _rotate(q_ptr + a * sq_a + t * sq_t, qo_ptr + token * (H * 2 * K2), cos, sin, h, ok_q, K2,
-            sq_h, 2 * K2, k)  # fmt: skip
+    _rotate(
+        q_ptr + a * sq_a + t * sq_t,
+        qo_ptr + token * (H * 2 * K2),
+        cos,
+        sin,
+        h,
+        ok_q,
+        K2,
+        sq_h,
+        2 * K2,
+        k,
+    )
     row = tl.load(rows_ptr + a).to(tl.int64)
     pos = tl.load(pos_ptr + a * sp_a + t * sp_t).to(tl.int64)
     ok_k = (h < G)[:, None] & (k < K2)[None, :]
-    _rotate(k_ptr + a * sk_a + t * sk_t, kc_ptr + row * skc_b + pos * skc_n, cos, sin, h, ok_k,
-            K2, sk_h, skc_g, k)  # fmt: skip
+    _rotate(
+        k_ptr + a * sk_a + t * sk_t,
+        kc_ptr + row * skc_b + pos * skc_n,
+        cos,
+        sin,
+        h,
+        ok_k,
+        K2,
+        sk_h,
+        skc_g,
+        k,
+    )
     v_src = v_ptr + a * sv_a + t * sv_t + h[:, None] * sv_h + k[None, :]
     v_dst = vc_ptr + row * svc_b + pos * svc_n + h[:, None] * svc_g + k[None, :]
     tl.store(v_dst, tl.load(v_src, mask=ok_k, other=0.0), mask=ok_k)
@@ -130,9 +205,18 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     BN = max(1, min(16, 4096 // BD))
     if N:
         rms_norm_fwd[(-(-N // BN),)](
-            x_ND, x_ND if weight is None else weight, y, N, D, x_ND.stride(0), eps,
-            HAS_W=weight is not None, BN=BN, BD=BD, num_warps=4 if BD <= 4096 else 8,
-        )  # fmt: skip
+            x_ND,
+            x_ND if weight is None else weight,
+            y,
+            N,
+            D,
+            x_ND.stride(0),
+            eps,
+            HAS_W=weight is not None,
+            BN=BN,
+            BD=BD,
+            num_warps=4 if BD <= 4096 else 8,
+        )
     return y
 
 
@@ -166,9 +250,16 @@ def _(x_BTHK, cos_BTK2, sin_BTK2):  # type: ignore[no-untyped-def]
 
 @torch.library.custom_op("birkhoff::rope_cache", mutates_args=("k_cache_BGNK", "v_cache_BGNK"))
 def rope_cache(
-    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cos_ATK2: Tensor, sin_ATK2: Tensor,
-    k_cache_BGNK: Tensor, v_cache_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_ATGK: Tensor,
+    v_ATGK: Tensor,
+    cos_ATK2: Tensor,
+    sin_ATK2: Tensor,
+    k_cache_BGNK: Tensor,
+    v_cache_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+) -> Tensor:
     """An attention layer's prologue: returns rope(q) and writes rope(k) and v into the caches
     at (rows_A[a], positions_AT[a, t]), as `rope` and `KVCache.write` do one by one (padded
     tokens point at the trash slot, which several may write)."""
@@ -182,13 +273,30 @@ def rope_cache(
     q_out = torch.empty((A, T, H, K), dtype=q_ATHK.dtype, device=q_ATHK.device)
     if A * T:
         rope_cache_fwd[(A * T,)](
-            q_ATHK, k_ATGK, v_ATGK, cos, sin, q_out, k_cache_BGNK, v_cache_BGNK, rows_A,
-            positions_AT, T, H, G, K // 2,
-            *q_ATHK.stride()[:3], *k_ATGK.stride()[:3], *v_ATGK.stride()[:3],
-            *positions_AT.stride(), *k_cache_BGNK.stride()[:3], *v_cache_BGNK.stride()[:3],
-            BH=max(2, pow2(max(H, G))), BK=max(16, pow2(K // 2)),
+            q_ATHK,
+            k_ATGK,
+            v_ATGK,
+            cos,
+            sin,
+            q_out,
+            k_cache_BGNK,
+            v_cache_BGNK,
+            rows_A,
+            positions_AT,
+            T,
+            H,
+            G,
+            K // 2,
+            *q_ATHK.stride()[:3],
+            *k_ATGK.stride()[:3],
+            *v_ATGK.stride()[:3],
+            *positions_AT.stride(),
+            *k_cache_BGNK.stride()[:3],
+            *v_cache_BGNK.stride()[:3],
+            BH=max(2, pow2(max(H, G))),
+            BK=max(16, pow2(K // 2)),
             num_warps=1 if max(H, G) * K <= 1024 else 4,
-        )  # fmt: skip
+        )
     return q_out
 
 

@@ -21,8 +21,7 @@ from birkhoff.kernels.rng import uniform_bits
 
 
 @triton.jit
-def sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr,
-                BV: tl.constexpr):  # fmt: skip
+def sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr, BV: tl.constexpr):
     """The token [1] (int64) of one row; stores its logp and probs. `u` is read only where
     HAS_U and the row is not greedy."""
     m = tl.full([1], float("-inf"), tl.float32)
@@ -73,24 +72,49 @@ def sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr
 
 @triton.jit
 def sample_rows_kernel(
-    logits_ptr, temp_ptr, greedy_ptr, u_ptr, logp_ptr, probs_ptr, token_ptr, V,
-    HAS_U: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    temp_ptr,
+    greedy_ptr,
+    u_ptr,
+    logp_ptr,
+    probs_ptr,
+    token_ptr,
+    V,
+    HAS_U: tl.constexpr,
+    BV: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(temp_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     u = tl.load(u_ptr + row) if HAS_U else 0.0
-    token = sample_row(logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V, t, greedy,
-                        u, V, HAS_U, BV)  # fmt: skip
+    token = sample_row(
+        logits_ptr + row * V, logp_ptr + row * V, probs_ptr + row * V, t, greedy, u, V, HAS_U, BV
+    )
     tl.store(token_ptr + row + tl.arange(0, 1), token)
 
 
 @triton.jit
 def sample_next_kernel(
-    logits_ptr, rows_ptr, n_ptr, live_ptr, temp_ptr, greedy_ptr, key_ptr, tokens_ptr,
-    logp_ptr, probs_ptr, out_ptr, token_ptr, V, stride_tokens, trash, offset, TAGS: tl.constexpr,
-    TAG: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    rows_ptr,
+    n_ptr,
+    live_ptr,
+    temp_ptr,
+    greedy_ptr,
+    key_ptr,
+    tokens_ptr,
+    logp_ptr,
+    probs_ptr,
+    out_ptr,
+    token_ptr,
+    V,
+    stride_tokens,
+    trash,
+    offset,
+    TAGS: tl.constexpr,
+    TAG: tl.constexpr,
+    BV: tl.constexpr,
+):
     a = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + a)
     n = tl.load(n_ptr + a).to(tl.int64)
@@ -98,8 +122,9 @@ def sample_next_kernel(
     t = tl.load(temp_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     u = uniform_bits(tl.load(key_ptr + row), n * TAGS + TAG)
-    token = sample_row(logits_ptr + a * V, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V,
-                        True, BV)  # fmt: skip
+    token = sample_row(
+        logits_ptr + a * V, logp_ptr + a * V, probs_ptr + a * V, t, greedy, u, V, True, BV
+    )
     tl.debug_barrier()  # the token's logp was stored by another thread of the program
     logp = tl.load(logp_ptr + a * V + token)
     slot = tl.where(live, n + offset, trash)
@@ -124,21 +149,34 @@ def sample_rows(
     if logits_NV.dim() != 2:
         raise ValueError(f"sample_rows: logits must be [N, V], got {tuple(logits_NV.shape)}")
     N, V = logits_NV.shape
-    wanted = (("temperature", temperature_N, torch.float32), ("greedy", greedy_N, torch.bool),
-              ("u", u_N, torch.float64))  # fmt: skip
+    wanted = (
+        ("temperature", temperature_N, torch.float32),
+        ("greedy", greedy_N, torch.bool),
+        ("u", u_N, torch.float64),
+    )
     for name, t, dtype in wanted:
         if t is not None and (t.shape != (N,) or t.dtype != dtype):
-            raise ValueError(f"sample_rows: {name} must be {dtype} of shape ({N},), got "
-                             f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"sample_rows: {name} must be {dtype} of shape ({N},), got "
+                f"{t.dtype}{tuple(t.shape)}"
+            )
     logp = logits_NV.new_empty((N, V), dtype=torch.float32)
     probs = torch.empty_like(logp)
     token = torch.empty(N, dtype=torch.long, device=logits_NV.device)
     if N and V:
         sample_rows_kernel[(N,)](
-            logits_NV.contiguous(), temperature_N.contiguous(), greedy_N.contiguous(),
-            temperature_N if u_N is None else u_N.contiguous(), logp, probs, token, V,
-            HAS_U=u_N is not None, BV=min(BV, max(16, pow2(V))), num_warps=4,
-        )  # fmt: skip
+            logits_NV.contiguous(),
+            temperature_N.contiguous(),
+            greedy_N.contiguous(),
+            temperature_N if u_N is None else u_N.contiguous(),
+            logp,
+            probs,
+            token,
+            V,
+            HAS_U=u_N is not None,
+            BV=min(BV, max(16, pow2(V))),
+            num_warps=4,
+        )
     return logp, probs, token
 
 
@@ -153,20 +191,31 @@ def check_vector(op: str, name: str, t: Tensor, dtype: torch.dtype, size: int | 
     """Raise ValueError unless t is a contiguous 1-D `dtype` tensor (of `size` entries)."""
     bad_size = t.dim() == 1 and size is not None and t.shape[0] != size
     if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or bad_size:
-        raise ValueError(f"{op}: {name} must be a contiguous 1-D {dtype} tensor"
-                         f"{'' if size is None else f' of {size} entries'}, got "
-                         f"{t.dtype}{tuple(t.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{op}: {name} must be a contiguous 1-D {dtype} tensor"
+            f"{'' if size is None else f' of {size} entries'}, got "
+            f"{t.dtype}{tuple(t.shape)}"
+        )
 
 
 def check_step_rows(
-    op: str, A: int, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
-    greedy_R: Tensor, key_R: Tensor,
-) -> None:  # fmt: skip
+    op: str,
+    A: int,
+    rows_A: Tensor,
+    n_A: Tensor,
+    live_A: Tensor,
+    temperature_R: Tensor,
+    greedy_R: Tensor,
+    key_R: Tensor,
+) -> None:
     """The checks of a sampling site's per-row inputs and the engine's per-row tables."""
     for name, t in (("rows", rows_A), ("n", n_A)):
         check_vector(op, name, t, torch.long, A)
-    tables = (("temperature", temperature_R, torch.float32), ("greedy", greedy_R, torch.bool),
-              ("key", key_R, torch.long))  # fmt: skip
+    tables = (
+        ("temperature", temperature_R, torch.float32),
+        ("greedy", greedy_R, torch.bool),
+        ("key", key_R, torch.long),
+    )
     for name, t, dtype in tables:
         check_vector(op, name, t, dtype, None)
     if live_A.shape != (A,):
@@ -177,20 +226,33 @@ def check_tokens(op: str, tokens_BN: Tensor, trash: int, positions: int | None =
     """Raise ValueError unless tokens_BN is a row-major [B, N] int64 buffer holding the trash
     slot (and so do `positions` table rows, where given)."""
     if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
-        raise ValueError(f"{op}: tokens must be a row-major [B, N] int64 tensor, got "
-                         f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{op}: tokens must be a row-major [B, N] int64 tensor, got "
+            f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}"
+        )
     N = tokens_BN.shape[1] if positions is None else min(tokens_BN.shape[1], positions)
     if not 0 <= trash < N:
-        raise ValueError(f"{op}: trash slot {trash} outside the {N} positions of the tokens"
-                         f"{'' if positions is None else ' and the tables'}")  # fmt: skip
+        raise ValueError(
+            f"{op}: trash slot {trash} outside the {N} positions of the tokens"
+            f"{'' if positions is None else ' and the tables'}"
+        )
 
 
 @torch.library.custom_op("birkhoff::sample_next", mutates_args=("tokens_BN",))
 def sample_next(
-    logits_AV: Tensor, rows_A: Tensor, n_A: Tensor, live_A: Tensor, temperature_R: Tensor,
-    greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor, trash: int, tags: int, tag: int,
+    logits_AV: Tensor,
+    rows_A: Tensor,
+    n_A: Tensor,
+    live_A: Tensor,
+    temperature_R: Tensor,
+    greedy_R: Tensor,
+    key_R: Tensor,
+    tokens_BN: Tensor,
+    trash: int,
+    tags: int,
+    tag: int,
     offset: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """([A, 2] fp64 of (token, its logprob), the tokens [A] int64, the probs [A, V] fp32 they
     were sampled from) for row a of logits [A, V], which is cache row rows[a] (int64) at
     pending position n[a] (int64) and live where live[a] != 0: sampled with that row's
@@ -207,10 +269,27 @@ def sample_next(
     out, token, logp, probs = _sample_next_fake(logits_AV)
     if A and V:
         sample_next_kernel[(A,)](
-            logits_AV.contiguous(), rows_A, n_A, live_A.contiguous(), temperature_R, greedy_R,
-            key_R, tokens_BN, logp, probs, out, token, V, tokens_BN.stride(0), trash, offset,
-            TAGS=tags, TAG=tag, BV=min(BV, max(16, pow2(V))), num_warps=4,
-        )  # fmt: skip
+            logits_AV.contiguous(),
+            rows_A,
+            n_A,
+            live_A.contiguous(),
+            temperature_R,
+            greedy_R,
+            key_R,
+            tokens_BN,
+            logp,
+            probs,
+            out,
+            token,
+            V,
+            tokens_BN.stride(0),
+            trash,
+            offset,
+            TAGS=tags,
+            TAG=tag,
+            BV=min(BV, max(16, pow2(V))),
+            num_warps=4,
+        )
     return out, token, probs
 
 

@@ -108,8 +108,7 @@ def _res_load(ptr, n64, n_ok, stride, S: tl.constexpr, SP: tl.constexpr):
     [BN, SP, SP] mask of the real ones). Loaded as [BN, SP * SP] and reshaped, so that a token's
     entries lie in one warp: a 3-D load can come out with the rows across warps (Triton 3.6
     does that at 32 tokens and 4 warps), and then each column sum of the Sinkhorn goes through
-    shared memory and barriers (coeff_tail 29.7 -> 10.3 us a call at 16k tokens, coeff_bwd
-    30.3 -> 22.0 on the H200)."""
+    shared memory and barriers (docs/log/kernels.md)."""
     slots, ok = _res_slots(ptr, n64, n_ok, stride, S, SP)
     v = tl.load(slots, mask=ok, other=0.0)
     return tl.reshape(v, [v.shape[0], SP, SP]), tl.reshape(ok, [v.shape[0], SP, SP])
@@ -133,9 +132,19 @@ def _token_sums(N, BN: tl.constexpr, PP: tl.constexpr):
 
 @triton.jit
 def coeff_proj(
-    x_ptr, phit_ptr, part_ptr, sq_ptr, N, C, CHUNK,
-    PP: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    phit_ptr,
+    part_ptr,
+    sq_ptr,
+    N,
+    C,
+    CHUNK,
+    PP: tl.constexpr,
+    PREC: tl.constexpr,
+    BN: tl.constexpr,
+    BC: tl.constexpr,
+    EMU: tl.constexpr,
+):
     """This program's share of one pass over x: over BN tokens and the CHUNK columns (a multiple
     of BC) of split program_id(1), the sum of squares -> sq [splits, N] and the projection
     x @ phi^T -> part [splits, N, PP]. PREC "bf16x3" (bf16 x): phit holds phi as three bf16
@@ -164,31 +173,91 @@ def coeff_proj(
 
 @triton.jit
 def coeff_tail(
-    part_ptr, sq_ptr, raw_ptr, alpha_ptr, bias_ptr, pre_ptr, post_ptr, res_ptr, rstd_ptr,
-    N, C, SPLITS, norm_eps, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-    WITH_RES: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    sq_ptr,
+    raw_ptr,
+    alpha_ptr,
+    bias_ptr,
+    pre_ptr,
+    post_ptr,
+    res_ptr,
+    rstd_ptr,
+    N,
+    C,
+    SPLITS,
+    norm_eps,
+    hc_eps,
+    iters,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    WITH_RES: tl.constexpr,
+    BN: tl.constexpr,
+    KB: tl.constexpr,
+):
     """Sums coeff_proj's splits in a fixed order (deterministic), then per token: rstd, alpha
     and bias, H_pre, H_post and the Sinkhorn of H_res, all in fp32 registers."""
     hc_eps = f32(hc_eps)
     n, n_ok, n64, h_pre, rstd = tail_pre(
-        part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, C, SPLITS, norm_eps, hc_eps,
-        S, SP, P, PP, BN, KB,
-    )  # fmt: skip
+        part_ptr,
+        sq_ptr,
+        raw_ptr,
+        rstd_ptr,
+        alpha_ptr,
+        bias_ptr,
+        N,
+        C,
+        SPLITS,
+        norm_eps,
+        hc_eps,
+        S,
+        SP,
+        P,
+        PP,
+        BN,
+        KB,
+    )
     s = tl.arange(0, SP)[None, :]
     tl.store(pre_ptr + n64[:, None] * S + s, h_pre, mask=n_ok[:, None] & (s < S))
     if WITH_RES:
-        _post_res(raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
-                  S, SP, P)  # fmt: skip
+        _post_res(
+            raw_ptr,
+            alpha_ptr,
+            bias_ptr,
+            post_ptr,
+            res_ptr,
+            n64,
+            n_ok,
+            rstd,
+            hc_eps,
+            iters,
+            S,
+            SP,
+            P,
+        )
 
 
 @triton.jit
 def tail_pre(
-    part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, C, SPLITS, norm_eps, hc_eps,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr,
+    part_ptr,
+    sq_ptr,
+    raw_ptr,
+    rstd_ptr,
+    alpha_ptr,
+    bias_ptr,
+    N,
+    C,
+    SPLITS,
+    norm_eps,
+    hc_eps,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    BN: tl.constexpr,
     KB: tl.constexpr,
-):  # fmt: skip
+):
     """This program's tokens (n, in range, int64), H_pre [BN, SP] and rstd [BN]; the raw logits
     and rstd are stored. The splits are read KB at a time as one [KB, BN, PP] load: decode's few
     tokens come in ~C / BC splits, and one split per loop step would wait out a memory latency
@@ -198,8 +267,9 @@ def tail_pre(
     for k0 in range(0, SPLITS, KB):
         row = (k0 + kb)[:, None] * N + n64[None, :]  # [KB, BN]
         ok = ((k0 + kb) < SPLITS)[:, None] & n_ok[None, :]
-        part = tl.load(part_ptr + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None],
-                       other=0.0)  # fmt: skip
+        part = tl.load(
+            part_ptr + row[:, :, None] * PP + p[None, None, :], mask=ok[:, :, None], other=0.0
+        )
         raw += tl.sum(part, axis=0)
         sq += tl.sum(tl.load(sq_ptr + row, mask=ok, other=0.0), axis=0)
     # raw goes out (the backward and coeff_rest need it) and comes back in the [pre | post | res]
@@ -217,9 +287,17 @@ def tail_pre(
 
 @triton.jit
 def tail_post(
-    raw_ptr, alpha_ptr, bias_ptr, post_ptr, n64, n_ok, rstd,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr,
-):  # fmt: skip
+    raw_ptr,
+    alpha_ptr,
+    bias_ptr,
+    post_ptr,
+    n64,
+    n_ok,
+    rstd,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+):
     """H_post = 2 sigmoid of the BN tokens' post logits times rstd -> post_ptr [N, S]."""
     s = tl.arange(0, SP)[None, :]
     vec_ok = n_ok[:, None] & (s < S)
@@ -230,9 +308,20 @@ def tail_post(
 
 @triton.jit
 def _post_res(
-    raw_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, n64, n_ok, rstd, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr,
-):  # fmt: skip
+    raw_ptr,
+    alpha_ptr,
+    bias_ptr,
+    post_ptr,
+    res_ptr,
+    n64,
+    n_ok,
+    rstd,
+    hc_eps,
+    iters,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+):
     """H_post = 2 sigmoid and H_res = Sinkhorn of the BN tokens' raw logits times rstd."""
     tail_post(raw_ptr, alpha_ptr, bias_ptr, post_ptr, n64, n_ok, rstd, S, SP, P)
     z_res, valid = _res_load(raw_ptr + 2 * S, n64, n_ok, P, S, SP)
@@ -244,11 +333,27 @@ def _post_res(
 
 @triton.jit
 def coeff_bwd(
-    raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, gpre_ptr, gpost_ptr, gres_ptr,
-    ga_ptr, graw_ptr, coef_ptr, scr_ptr,
-    N, C, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, WITH_RES: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
+    raw_ptr,
+    rstd_ptr,
+    alpha_ptr,
+    bias_ptr,
+    gpre_ptr,
+    gpost_ptr,
+    gres_ptr,
+    ga_ptr,
+    graw_ptr,
+    coef_ptr,
+    scr_ptr,
+    N,
+    C,
+    hc_eps,
+    iters,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+    WITH_RES: tl.constexpr,
+    BN: tl.constexpr,
+):
     """g_a = dL/d(alpha z + b) [N,P], g_raw = g_a alpha rstd [N,P], and coef [N] with
     dL/dx (through rstd) = coef * x."""
     hc_eps = f32(hc_eps)
@@ -337,14 +442,21 @@ def projection(x_BTSD: Tensor, phi_PC: Tensor, N: int, PP: int) -> tuple[Tensor,
     phi_t = projection_phi(phi_PC, 3 if cfg["PREC"] == "bf16x3" else 1)
     traceable(coeff_proj)[(blocks, splits)](
         x_BTSD, phi_t, part, sq, N, C, chunk, PP=PP, BC=bc, EMU=INTERPRET, **cfg
-    )  # fmt: skip
+    )
     return part, sq, splits
 
 
 def _coefficients_impl(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor,
-    iters: int, with_res: bool, with_mix: bool, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha: Tensor,
+    bias_P: Tensor,
+    iters: int,
+    with_res: bool,
+    with_mix: bool,
+    norm_eps: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(H_pre, H_post, H_res, y = sum_j H_pre[j] x_j if with_mix, raw logits, rstd); the last two
     are saved for the backward."""
     pre, post, res, y_BTD, raw_BTP, rstd = coefficient_buffers(x_BTSD, phi_PC, with_res, with_mix)
@@ -356,10 +468,29 @@ def _coefficients_impl(
         bn = _tail_block(cfg, N, SP)
         kb = splits_per_load(splits, bn, PP)
         traceable(coeff_tail)[(cdiv(N, bn),)](
-            part, sq, raw_BTP, alpha, bias_P, pre, post, res, rstd,
-            N, C, splits, norm_eps, eps, iters, S=S, SP=SP, P=P, PP=PP, WITH_RES=with_res, KB=kb,
+            part,
+            sq,
+            raw_BTP,
+            alpha,
+            bias_P,
+            pre,
+            post,
+            res,
+            rstd,
+            N,
+            C,
+            splits,
+            norm_eps,
+            eps,
+            iters,
+            S=S,
+            SP=SP,
+            P=P,
+            PP=PP,
+            WITH_RES=with_res,
+            KB=kb,
             **cfg,
-        )  # fmt: skip
+        )
     if N and with_mix:
         mix_in_into(y_BTD, x_BTSD, pre)
     return pre, post, res, y_BTD, raw_BTP, rstd
@@ -397,10 +528,22 @@ _coefficients_op = FusedOp("mhc_coefficients", _coefficients_impl, _coefficients
 
 
 def _coefficients_bwd_impl(
-    g_pre: Tensor, g_post: Tensor, g_res: Tensor, g_y: Tensor, g_r: Tensor, x_BTSD: Tensor,
-    phi_PC: Tensor, pre: Tensor, raw_BTP: Tensor, rstd_BT: Tensor, alpha: Tensor, bias_P: Tensor,
-    iters: int, with_res: bool, eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    g_pre: Tensor,
+    g_post: Tensor,
+    g_res: Tensor,
+    g_y: Tensor,
+    g_r: Tensor,
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    pre: Tensor,
+    raw_BTP: Tensor,
+    rstd_BT: Tensor,
+    alpha: Tensor,
+    bias_P: Tensor,
+    iters: int,
+    with_res: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b). g_y: the gradient of
     the mix in (shape [0] if the op did not mix in); g_pre of shape [0] with a mix in: H_pre's
     gradient is the mix in's term alone; g_r: x's gradient from mix out's residual
@@ -421,9 +564,27 @@ def _coefficients_bwd_impl(
     (SP, _), cfg = pads(S, P), launch("coeff_bwd", x_BTSD, S)
     scratch = raw_BTP.new_empty((N, 2 * iters, SP) if with_res else (1,))  # Sinkhorn denominators
     traceable(coeff_bwd)[(cdiv(N, int(cfg["BN"])),)](
-        raw_BTP, rstd_BT, alpha, bias_P, g_pre, g_post, g_res, g_a, g_raw, coef_BT, scratch,
-        N, C, eps, iters, S=S, SP=SP, P=P, WITH_RES=with_res, **cfg,
-    )  # fmt: skip
+        raw_BTP,
+        rstd_BT,
+        alpha,
+        bias_P,
+        g_pre,
+        g_post,
+        g_res,
+        g_a,
+        g_raw,
+        coef_BT,
+        scratch,
+        N,
+        C,
+        eps,
+        iters,
+        S=S,
+        SP=SP,
+        P=P,
+        WITH_RES=with_res,
+        **cfg,
+    )
     g_phi = projection_grads(
         g_raw, phi_PC, x_BTSD, coef_BT, g_x, g_y if mix else None, pre, g_r if res else None
     )
@@ -468,9 +629,22 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no
     )
     g_r = x_BTSD.new_empty((0,)) if g_r is None else g_r.contiguous()
     g_x, g_phi, g_a = _coefficients_bwd_op(
-        g_pre, g_post, g_res, g_y, g_r, x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P,
-        iters, with_res, eps,
-    )  # fmt: skip
+        g_pre,
+        g_post,
+        g_res,
+        g_y,
+        g_r,
+        x_BTSD,
+        phi_PC,
+        pre,
+        raw_BTP,
+        rstd_BT,
+        alpha,
+        bias_P,
+        iters,
+        with_res,
+        eps,
+    )
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
     P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
     gz_P = (g_a * raw_BTP * rstd_BT[..., None]).reshape(-1, P).sum(0)
@@ -512,45 +686,74 @@ def op_inputs(
     also in `served_phi`'s layout), alpha and bias in fp32."""
     check_inputs(x_BTSD, phi_PC)
     return (
-        x_BTSD.contiguous(), phi_PC if is_served(phi_PC) else phi_PC.contiguous(),
-        alpha.float().contiguous(), bias_P.float().contiguous(),
-    )  # fmt: skip
+        x_BTSD.contiguous(),
+        phi_PC if is_served(phi_PC) else phi_PC.contiguous(),
+        alpha.float().contiguous(),
+        bias_P.float().contiguous(),
+    )
 
 
 def _coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor, iters: int, with_res: bool,
-    with_mix: bool, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha: Tensor,
+    bias_P: Tensor,
+    iters: int,
+    with_res: bool,
+    with_mix: bool,
+    norm_eps: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     inputs = op_inputs(x_BTSD, phi_PC, alpha, bias_P)
     pre, post, res, y, _, _ = _coefficients_op(*inputs, iters, with_res, with_mix, norm_eps, eps)
     return pre, post, res, y
 
 
 def mhc_coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
-    iters: int, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Fused (H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in fp32."""
-    pre, post, res, _ = _coefficients(x_BTSD, phi_PC, alpha_3, bias_P, iters, True, False,
-                                      norm_eps, eps)  # fmt: skip
+    pre, post, res, _ = _coefficients(
+        x_BTSD, phi_PC, alpha_3, bias_P, iters, True, False, norm_eps, eps
+    )
     return pre, post, res
 
 
 def coefficients_and_mix_in(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
-    iters: int, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Fused (sum_j H_pre[j] x_j [B,T,D], H_pre, H_post, H_res) as one op: its backward writes
     g_x once for the coefficients and the mix in (one [B,T,S,D] write and add fewer)."""
-    pre, post, res, y = _coefficients(x_BTSD, phi_PC, alpha_3, bias_P, iters, True, True,
-                                      norm_eps, eps)  # fmt: skip
+    pre, post, res, y = _coefficients(
+        x_BTSD, phi_PC, alpha_3, bias_P, iters, True, True, norm_eps, eps
+    )
     return y, pre, post, res
 
 
 def coefficients_and_mix_in_streams(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *,
-    iters: int, norm_eps: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`coefficients_and_mix_in` and the streams again, [B,T,S,D], for `mix_out` to read: a view
     of x from the same autograd node, so the op's backward adds mix out's g_x (H_res g_y) into
     its one write of g_x, and autograd sums no gradients for x."""

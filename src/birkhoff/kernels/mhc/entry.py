@@ -37,18 +37,51 @@ from birkhoff.kernels.mhc.phi import projection_phi
 
 @triton.jit
 def pre_mix_norm_kernel(
-    part_ptr, sq_ptr, x_ptr, w_ptr, alpha_ptr, bias_ptr, raw_ptr, rstd_ptr, y_ptr,
-    N, D, SPLITS, norm_eps, hc_eps, rms_eps,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, KB: tl.constexpr,
-    BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    sq_ptr,
+    x_ptr,
+    w_ptr,
+    alpha_ptr,
+    bias_ptr,
+    raw_ptr,
+    rstd_ptr,
+    y_ptr,
+    N,
+    D,
+    SPLITS,
+    norm_eps,
+    hc_eps,
+    rms_eps,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    KB: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     """The engine's sublayer entry over all D columns of BN tokens a program: coeff_tail's H_pre
     (raw logits and rstd stored, for coeff_rest), y = sum_j H_pre[j] x_j rounded to y's dtype
     as mix_in_fwd's, then RMSNorm(y) * w as rms_norm_fwd's -> y_ptr [N, D]."""
     n, n_ok, n64, h_pre, _ = tail_pre(
-        part_ptr, sq_ptr, raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, N, S * D, SPLITS, norm_eps,
-        f32(hc_eps), S, SP, P, PP, BN, KB,
-    )  # fmt: skip
+        part_ptr,
+        sq_ptr,
+        raw_ptr,
+        rstd_ptr,
+        alpha_ptr,
+        bias_ptr,
+        N,
+        S * D,
+        SPLITS,
+        norm_eps,
+        f32(hc_eps),
+        S,
+        SP,
+        P,
+        PP,
+        BN,
+        KB,
+    )
     d = tl.arange(0, BD)
     ok = n_ok[:, None] & (d < D)[None, :]
     s = tl.arange(0, SP)[None, :]
@@ -65,9 +98,21 @@ def pre_mix_norm_kernel(
 
 @triton.jit
 def mix_out_proj_kernel(
-    x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, phit_ptr, part_ptr, sq_ptr, N, D,
-    S: tl.constexpr, PP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    f_ptr,
+    post_ptr,
+    res_ptr,
+    y_ptr,
+    phit_ptr,
+    part_ptr,
+    sq_ptr,
+    N,
+    D,
+    S: tl.constexpr,
+    PP: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     """mix_out_fwd's arithmetic, and over the new streams as stored, the next sublayer's
     coefficient projection on this tile's S*BD columns: part [ND, N, PP] (y @ phi^T with exact
     fp32 products, fp32 phit [C, PP]) and sq [ND, N] (sum of squares), coeff_proj's partials
@@ -84,8 +129,9 @@ def mix_out_proj_kernel(
             x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S, D, BN, BD
         )  # zero outside the tile: every load there reads 0
         sq += tl.sum(yv * yv, axis=1)
-        phi_t = tl.load(phit_ptr + (k * D + d)[:, None] * PP + p[None, :],
-                        mask=(d < D)[:, None], other=0.0)  # fmt: skip
+        phi_t = tl.load(
+            phit_ptr + (k * D + d)[:, None] * PP + p[None, :], mask=(d < D)[:, None], other=0.0
+        )
         raw = tl.dot(yv, phi_t, raw, input_precision="ieee")
     split = tl.program_id(1).to(tl.int64) * N + n64
     tl.store(part_ptr + split[:, None] * PP + p[None, :], raw, mask=n_ok[:, None])
@@ -135,9 +181,20 @@ def _softmax_rows_plus(a, eps, S: tl.constexpr):
 
 @triton.jit
 def coeff_rest(
-    raw_ptr, rstd_ptr, alpha_ptr, bias_ptr, post_ptr, res_ptr, N, hc_eps, iters,
-    S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
+    raw_ptr,
+    rstd_ptr,
+    alpha_ptr,
+    bias_ptr,
+    post_ptr,
+    res_ptr,
+    N,
+    hc_eps,
+    iters,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    P: tl.constexpr,
+    BN: tl.constexpr,
+):
     """H_post [N, S] and H_res [N, S, S] (fp32) from the raw logits [N, P] and rstd [N] that
     pre_mix_norm (or coeff_tail without them) stored."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -166,18 +223,26 @@ ENTRY_ELEMENTS = 4096  # pre_mix_norm's [BN, BD] tile of one stream, at most
 
 @torch.library.custom_op("birkhoff::mhc_entry", mutates_args=())
 def pre_mix_norm(
-    x_ATSD: Tensor, phi_PC: Tensor, alpha: Tensor, bias_P: Tensor, weight_D: Tensor,
-    norm_eps: float, eps: float, rms_eps: float, part: Tensor | None = None,
+    x_ATSD: Tensor,
+    phi_PC: Tensor,
+    alpha: Tensor,
+    bias_P: Tensor,
+    weight_D: Tensor,
+    norm_eps: float,
+    eps: float,
+    rms_eps: float,
+    part: Tensor | None = None,
     sq: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """(RMSNorm(sum_j H_pre[j] x_j) * weight [A,T,D] in x's dtype, raw logits [A,T,P] and rstd
     [A,T] in fp32) for contiguous x, phi as `mhc` takes it, fp32 alpha and bias. `part` and
     `sq`: x's projection partials from `mix_out_proj` (None: coeff_proj computes them)."""
     check_inputs(x_ATSD, phi_PC, weight_D)
     (S, D), P = x_ATSD.shape[-2:], phi_PC.shape[0]
     if tuple(weight_D.shape) != (D,):
-        raise ValueError(f"mhc_entry: norm weight of shape {tuple(weight_D.shape)}, streams of "
-                         f"dim {D}")  # fmt: skip
+        raise ValueError(
+            f"mhc_entry: norm weight of shape {tuple(weight_D.shape)}, streams of dim {D}"
+        )
     (SP, PP), BD = pads(S, P), max(16, pow2(D))
     _, _, _, y_ATD, raw_ATP, rstd = coefficient_buffers(x_ATSD, phi_PC, False, True)
     N = rstd.numel()
@@ -185,8 +250,10 @@ def pre_mix_norm(
         raise ValueError("mhc_entry: pass both projection partials part and sq, or neither")
     if part is not None and sq is not None:
         if part.shape[1:] != (N, PP) or tuple(sq.shape) != part.shape[:2]:
-            raise ValueError(f"mhc_entry: projection partials {tuple(part.shape)} / "
-                             f"{tuple(sq.shape)} for {N} tokens and {P} logits")  # fmt: skip
+            raise ValueError(
+                f"mhc_entry: projection partials {tuple(part.shape)} / "
+                f"{tuple(sq.shape)} for {N} tokens and {P} logits"
+            )
         splits = part.shape[0]
     elif N:
         part, sq, splits = projection(x_ATSD, phi_PC, N, PP)
@@ -195,10 +262,30 @@ def pre_mix_norm(
         bn = max(1, min(pow2(cdiv(N, int(launch["PROGRAMS"]))), ENTRY_ELEMENTS // BD))
         kb = splits_per_load(splits, bn, PP)
         pre_mix_norm_kernel[(cdiv(N, bn),)](
-            part, sq, x_ATSD, weight_D.contiguous(), alpha, bias_P, raw_ATP, rstd, y_ATD,
-            N, D, splits, norm_eps, eps, rms_eps, S=S, SP=SP, P=P, PP=PP, KB=kb, BN=bn, BD=BD,
+            part,
+            sq,
+            x_ATSD,
+            weight_D.contiguous(),
+            alpha,
+            bias_P,
+            raw_ATP,
+            rstd,
+            y_ATD,
+            N,
+            D,
+            splits,
+            norm_eps,
+            eps,
+            rms_eps,
+            S=S,
+            SP=SP,
+            P=P,
+            PP=PP,
+            KB=kb,
+            BN=bn,
+            BD=BD,
             num_warps=int(launch["num_warps"]),
-        )  # fmt: skip
+        )
     return y_ATD, raw_ATP, rstd
 
 
@@ -236,9 +323,20 @@ def mix_out_proj(
     if N:
         cfg = _exit_launch(N, D)
         mix_out_proj_kernel[(cdiv(N, cfg["BN"]), sq.shape[0])](
-            x_ATSD, f_ATD, post_ATS, res_ATSS, y_ATSD, projection_phi(phi_PC, 1), part, sq, N, D,
-            S=S, PP=PP, **cfg,
-        )  # fmt: skip
+            x_ATSD,
+            f_ATD,
+            post_ATS,
+            res_ATSS,
+            y_ATSD,
+            projection_phi(phi_PC, 1),
+            part,
+            sq,
+            N,
+            D,
+            S=S,
+            PP=PP,
+            **cfg,
+        )
     return y_ATSD, part, sq
 
 
@@ -254,17 +352,34 @@ def _mix_out_proj_fake(x_ATSD, f_ATD, post_ATS, res_ATSS, phi_PC):  # type: igno
 
 @torch.library.custom_op("birkhoff::mhc_entry_rest", mutates_args=("post_ATS", "res_ATSS"))
 def post_res(
-    raw_ATP: Tensor, rstd: Tensor, alpha: Tensor, bias_P: Tensor, post_ATS: Tensor,
-    res_ATSS: Tensor, iters: int, eps: float,
-) -> None:  # fmt: skip
+    raw_ATP: Tensor,
+    rstd: Tensor,
+    alpha: Tensor,
+    bias_P: Tensor,
+    post_ATS: Tensor,
+    res_ATSS: Tensor,
+    iters: int,
+    eps: float,
+) -> None:
     """H_post and H_res (fp32, contiguous) from `pre_mix_norm`'s raw logits and rstd."""
     N, S = rstd.numel(), post_ATS.shape[-1]
     if N:
         cfg = _rest_launch(N)
         coeff_rest[(cdiv(N, cfg["BN"]),)](
-            raw_ATP, rstd, alpha, bias_P, post_ATS, res_ATSS, N, eps, iters, S=S,
-            SP=pad_streams(S), P=raw_ATP.shape[-1], **cfg,
-        )  # fmt: skip
+            raw_ATP,
+            rstd,
+            alpha,
+            bias_P,
+            post_ATS,
+            res_ATSS,
+            N,
+            eps,
+            iters,
+            S=S,
+            SP=pad_streams(S),
+            P=raw_ATP.shape[-1],
+            **cfg,
+        )
 
 
 def _rest_launch(N: int) -> dict[str, int]:
@@ -275,10 +390,19 @@ def _rest_launch(N: int) -> dict[str, int]:
 
 
 def hyper_entry(
-    x_ATSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, weight_D: Tensor, *,
-    iters: int, norm_eps: float, eps: float, rms_eps: float, stream: torch.cuda.Stream | None,
+    x_ATSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    weight_D: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float,
+    rms_eps: float,
+    stream: torch.cuda.Stream | None,
     proj: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
     """(x as read, the sublayer's input RMSNorm(sum_j H_pre[j] x_j) * weight, H_post, H_res,
     what `stream` reads). H_post and H_res are computed on `stream` (None: the current one):
     the caller joins it before reading them and holds the last output until then. `proj`: x's
@@ -298,9 +422,17 @@ def hyper_entry(
 
 
 def contract_norm(
-    x_ATSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, weight_D: Tensor, *,
-    norm_eps: float, eps: float, rms_eps: float, proj: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:  # fmt: skip
+    x_ATSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    weight_D: Tensor,
+    *,
+    norm_eps: float,
+    eps: float,
+    rms_eps: float,
+    proj: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """RMSNorm(sum_s w_s x_s) * weight [A,T,D]: the output contraction and the final norm."""
     inputs = op_inputs(x_ATSD, phi_SC, alpha_1, bias_S)
     return pre_mix_norm(*inputs, weight_D, norm_eps, eps, rms_eps, *(proj or (None, None)))[0]

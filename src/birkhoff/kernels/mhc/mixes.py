@@ -30,9 +30,7 @@ def tile(N, D, BN: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def mix_in_fwd(
-    x_ptr, h_ptr, y_ptr, N, D, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr
-):  # fmt: skip
+def mix_in_fwd(x_ptr, h_ptr, y_ptr, N, D, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     n64, n_ok, d, ok = tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     y = tl.zeros([BN, BD], dtype=tl.float32)
@@ -44,9 +42,18 @@ def mix_in_fwd(
 
 @triton.jit
 def mix_in_bwd(
-    gy_ptr, x_ptr, h_ptr, gx_ptr, gh_ptr, N, D,
-    S: tl.constexpr, WRITE_GX: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    gy_ptr,
+    x_ptr,
+    h_ptr,
+    gx_ptr,
+    gh_ptr,
+    N,
+    D,
+    S: tl.constexpr,
+    WRITE_GX: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     """gh_ptr: [ND, N, S] partials; g_x only if WRITE_GX (else the coefficient backward adds
     h g_y to its own g_x)."""
     n64, n_ok, d, ok = tile(N, D, BN, BD)
@@ -77,9 +84,17 @@ def mix_out_stream(x_ptr, f, post_ptr, res_ptr, y_ptr, n64, n_ok, row, ok, k, S,
 
 @triton.jit
 def mix_out_fwd(
-    x_ptr, f_ptr, post_ptr, res_ptr, y_ptr, N, D,
-    S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    f_ptr,
+    post_ptr,
+    res_ptr,
+    y_ptr,
+    N,
+    D,
+    S: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     n64, n_ok, d, ok = tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
     f = tl.load(f_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -89,9 +104,21 @@ def mix_out_fwd(
 
 @triton.jit
 def mix_out_bwd(
-    gy_ptr, x_ptr, f_ptr, post_ptr, res_ptr, gx_ptr, gf_ptr, gpost_ptr, gres_ptr, N, D,
-    S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
+    gy_ptr,
+    x_ptr,
+    f_ptr,
+    post_ptr,
+    res_ptr,
+    gx_ptr,
+    gf_ptr,
+    gpost_ptr,
+    gres_ptr,
+    N,
+    D,
+    S: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     """gpost_ptr: [ND, N, S] and gres_ptr: [ND, N, S, S] partials."""
     n64, n_ok, d, ok = tile(N, D, BN, BD)
     row = n64[:, None] * (S * D) + d[None, :]
@@ -144,9 +171,17 @@ def _mix_in_bwd(g_BTD: Tensor, x_BTSD: Tensor, h_BTS: Tensor, g_x: Tensor | None
         return torch.zeros_like(h_BTS)
     parts = h_BTS.new_empty((grid[1], *h_BTS.shape))
     traceable(mix_in_bwd)[grid](
-        g_BTD, x_BTSD, h_BTS, x_BTSD if g_x is None else g_x, parts, N, D,
-        S=S, WRITE_GX=g_x is not None, **cfg,
-    )  # fmt: skip
+        g_BTD,
+        x_BTSD,
+        h_BTS,
+        x_BTSD if g_x is None else g_x,
+        parts,
+        N,
+        D,
+        S=S,
+        WRITE_GX=g_x is not None,
+        **cfg,
+    )
     return _sum_parts(parts)
 
 
@@ -226,9 +261,20 @@ def _mix_out_bwd_impl(
     parts_post = post_BTS.new_empty((grid[1], *post_BTS.shape))
     parts_res = res_BTSS.new_empty((grid[1], *res_BTSS.shape))
     traceable(mix_out_bwd)[grid](
-        g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS, g_x, g_f, parts_post, parts_res, N, D,
-        S=S, **cfg,
-    )  # fmt: skip
+        g_BTSD,
+        x_BTSD,
+        f_BTD,
+        post_BTS,
+        res_BTSS,
+        g_x,
+        g_f,
+        parts_post,
+        parts_res,
+        N,
+        D,
+        S=S,
+        **cfg,
+    )
     g_post, g_res = _sum_parts(parts_post), _sum_parts(parts_res)
     return g_x, g_f, g_post, g_res
 
@@ -255,6 +301,8 @@ def mix_out(x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tenso
     """Fused y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], accumulated in fp32."""
     check_inputs(x_BTSD, f_BTD)
     return _mix_out_op(
-        x_BTSD.contiguous(), f_BTD.contiguous(),
-        h_post_BTS.float().contiguous(), h_res_BTSS.float().contiguous(),
-    )  # fmt: skip
+        x_BTSD.contiguous(),
+        f_BTD.contiguous(),
+        h_post_BTS.float().contiguous(),
+        h_res_BTSS.float().contiguous(),
+    )

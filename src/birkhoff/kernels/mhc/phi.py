@@ -85,7 +85,5 @@ def projection_phi(phi_PC: Tensor, terms: int) -> Tensor:
         out = phi_PC.new_empty((C, PP), dtype=torch.float32)
     else:
         out = phi_PC.new_empty((3, C, PP), dtype=torch.bfloat16)
-    traceable(phi_pad_t)[(cdiv(C, BC),)](
-        phi_PC.contiguous(), out, P, C, PP=PP, BC=BC, TERMS=terms
-    )  # fmt: skip
+    traceable(phi_pad_t)[(cdiv(C, BC),)](phi_PC.contiguous(), out, P, C, PP=PP, BC=BC, TERMS=terms)
     return out
