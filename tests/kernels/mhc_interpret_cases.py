@@ -123,6 +123,7 @@ def test_fused_sublayer_sends_the_streams_one_gradient() -> None:
 
 def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import coefficients
 
     for key in ("grad_phi", "grad_phi_fp32"):  # 34 tokens: three g_phi blocks
         monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, TOKENS=16))
@@ -132,7 +133,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
-    monkeypatch.setattr(mhc, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program, 3 programs
+    monkeypatch.setattr(coefficients, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program, 3 programs
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
@@ -140,7 +141,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", torch.bfloat16)
     # one decode token (one token a program): 5 column splits, summed two per load (2 + 2 + a
     # masked 1)
-    monkeypatch.setattr(mhc, "TAIL_ELEMENTS", 2 * 1 * 32)
+    monkeypatch.setattr(coefficients, "TAIL_ELEMENTS", 2 * 1 * 32)
     check_hyper(Case(S=4, D=40, B=1, T=1, iters=3), "cpu", joint=True)
 
 
