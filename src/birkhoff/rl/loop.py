@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from birkhoff.engine import Engine
 from birkhoff.model.mtp import shift_targets
 from birkhoff.model.transformer import Transformer
+from birkhoff.overrides import as_settings
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
@@ -266,7 +267,11 @@ class GRPORun:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        extra = {"engine_version": self.engine.weight_version, "preset": self.preset.name}
+        extra = {
+            "engine_version": self.engine.weight_version,
+            "preset": self.preset.name,
+            "config": as_settings(self.preset),
+        }  # the resolved settings, for --resume
         if self.dist.enabled:
             save_sharded(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step,
                          extra=extra)  # fmt: skip
