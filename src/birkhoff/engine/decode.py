@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Weights
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
+from birkhoff.engine.layout import Weights
 from birkhoff.engine.rng import RequestRandom
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams, is_filtered
@@ -83,6 +83,7 @@ class Generation:
         self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
         drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
         prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
+        kernels: str,
     ) -> None:  # fmt: skip
         self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
@@ -98,7 +99,9 @@ class Generation:
         self.out_logprobs: list[list[float]] = [[] for _ in range(R)]
         self.finish: list[str | None] = [None] * R
         self.stats = SpecStats(self.num_drafts)
-        self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
+        self.ctx = StepContext(
+            weights, cfg, kernels, cache, drafter, rows, rope, self.num_drafts, False
+        )
         self.any_filtered = any(map(is_filtered, params))  # False: every step runs with ctx
 
     def run(self) -> list[Completion]:

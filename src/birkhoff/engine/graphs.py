@@ -40,13 +40,12 @@ Left out: torch.compile, piecewise graphs.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from birkhoff.engine.forward import Weights
 from birkhoff.engine.step import StepContext
 from birkhoff.engine.transfer import copy_to, to_device
 
@@ -56,6 +55,7 @@ MAX_WEIGHT_SETS = 2  # graph sets kept (refit alternates two buffer banks)
 Fingerprint = tuple[tuple[int, tuple[int, ...]], ...]
 Key = tuple[str, int, int, int, bool, int]  # (step, K, A', N', filtered, J)
 Step = Callable[[StepContext, Tensor, "int | None", Tensor, int], Tensor]
+Weights = Mapping[str, Tensor]  # the engine's served tensors by name
 
 
 def bucket(n: int, cap: int, smallest: int = 1) -> int:
