@@ -190,17 +190,35 @@ def check_llama_options(cfg: ModelConfig) -> None:
     check(hd is None or (isinstance(hd, int) and hd >= 2), "attn_head_dim", hd, "int >= 2 or None")
     scaling = cfg.rope_scaling
     check(scaling in ROPE_SCALINGS, "rope_scaling", scaling, " | ".join(ROPE_SCALINGS))
-    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                 "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):  # fmt: skip
+    for name in (
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_beta_fast",
+        "rope_beta_slow",
+        "rope_attention_factor",
+    ):
         value = getattr(cfg, name)
         check(math.isfinite(value) and value > 0, name, value, "must be finite and > 0")
     if scaling in ("llama3", "yarn"):
         orig = cfg.rope_original_max_seq_len
-        check(orig is not None and orig >= 1, "rope_original_max_seq_len", orig,
-              f"must be an int >= 1 with rope_scaling={scaling!r}")  # fmt: skip
+        check(
+            orig is not None and orig >= 1,
+            "rope_original_max_seq_len",
+            orig,
+            f"must be an int >= 1 with rope_scaling={scaling!r}",
+        )
     if scaling == "llama3":
-        check(cfg.rope_high_freq_factor > cfg.rope_low_freq_factor, "rope_high_freq_factor",
-              cfg.rope_high_freq_factor, "must be > rope_low_freq_factor")  # fmt: skip
+        check(
+            cfg.rope_high_freq_factor > cfg.rope_low_freq_factor,
+            "rope_high_freq_factor",
+            cfg.rope_high_freq_factor,
+            "must be > rope_low_freq_factor",
+        )
     if scaling != "yarn":
-        check(cfg.rope_attention_factor == 1.0, "rope_attention_factor",
-              cfg.rope_attention_factor, "only rope_scaling='yarn' scales cos/sin")  # fmt: skip
+        check(
+            cfg.rope_attention_factor == 1.0,
+            "rope_attention_factor",
+            cfg.rope_attention_factor,
+            "only rope_scaling='yarn' scales cos/sin",
+        )

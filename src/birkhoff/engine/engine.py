@@ -76,8 +76,12 @@ class Engine:
             0 <= spec <= MAX_DRAFTS, "max_speculative_tokens", spec, f"must be in [0, {MAX_DRAFTS}]"
         )
         graphs = torch.device(device).type == "cuda" if cuda_graphs is None else cuda_graphs
-        check(not graphs or torch.device(device).type == "cuda", "cuda_graphs", cuda_graphs,
-              "needs a CUDA device")  # fmt: skip
+        check(
+            not graphs or torch.device(device).type == "cuda",
+            "cuda_graphs",
+            cuda_graphs,
+            "needs a CUDA device",
+        )
         self.cfg, self.device, self.dtype, self.quantize = (
             cfg,
             torch.device(device),
@@ -207,9 +211,14 @@ class Engine:
         if self._cache is None:
             cfg = self.cfg
             self._cache = KVCache(
-                cfg.num_layers, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                cfg.num_layers,
+                self.max_batch_size,
+                cfg.kv_heads,
+                self.capacity,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
         return self._cache
 
     def row_state(self) -> RowState:
@@ -223,13 +232,23 @@ class Engine:
         if self._drafter is None:
             cfg, n = self.cfg, self.max_speculative_tokens
             cache = KVCache(
-                n, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                n,
+                self.max_batch_size,
+                cfg.kv_heads,
+                self.capacity,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             streams = StreamBuffer(
-                n, self.max_batch_size, self.capacity, cfg.num_streams, cfg.dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                n,
+                self.max_batch_size,
+                self.capacity,
+                cfg.num_streams,
+                cfg.dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             self._drafter = DrafterState(cache, streams)
         return self._drafter
 

@@ -68,9 +68,16 @@ def init_bias(num_streams: int, home: int) -> Tensor:
 
 
 def mhc_coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
     if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mhc_coefficients(
@@ -101,9 +108,16 @@ def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tenso
 
 
 def coefficients_and_mix_in(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(sum_j H_pre[j] x_j [B,T,D], H_pre, H_post, H_res): `mhc_coefficients`, then `mix_in`.
 
     The fused path runs both as one op, whose backward writes the streams' gradient once.
@@ -119,9 +133,13 @@ def coefficients_and_mix_in(
 
 
 def mix_out(
-    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor, *,
+    x_BTSD: Tensor,
+    f_BTD: Tensor,
+    h_post_BTS: Tensor,
+    h_res_BTSS: Tensor,
+    *,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], in >= fp32, cast once.
 
     The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
@@ -137,10 +155,17 @@ def mix_out(
 
 
 def hyper_connection(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor,
-    sublayer: Callable[[Tensor], Tensor], *, iters: int, norm_eps: float, eps: float = MHC_EPS,
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    sublayer: Callable[[Tensor], Tensor],
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """One mHC-wrapped sublayer: y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j.
 
     `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
@@ -162,9 +187,16 @@ class HyperConnection(nn.Module):
     """The mHC wrapper of one sublayer: computes coefficients, mixes in, runs F, mixes out."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float,
-        eps: float = MHC_EPS, kernels: str = "auto",
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        home: int,
+        iters: int,
+        norm_eps: float,
+        eps: float = MHC_EPS,
+        kernels: str = "auto",
+    ) -> None:
         super().__init__()
         S = num_streams
         self.iters, self.norm_eps, self.eps, self.kernels = iters, norm_eps, eps, kernels
@@ -174,9 +206,16 @@ class HyperConnection(nn.Module):
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return hyper_connection(
-            x_BTSD, self.phi, self.alpha, self.bias, sublayer, iters=self.iters,
-            norm_eps=self.norm_eps, eps=self.eps, kernels=self.kernels,
-        )  # fmt: skip
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            sublayer,
+            iters=self.iters,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
+            kernels=self.kernels,
+        )
 
 
 class PlainResidual(nn.Module):
@@ -205,9 +244,15 @@ def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
 
 
 def contraction_weights(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
     if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
@@ -220,9 +265,15 @@ def contraction_weights(
 
 
 def contract(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
     fused path runs both as one op)."""
     if (mhc := fused_ops(x_BTSD, kernels)) is not None:
@@ -237,9 +288,14 @@ class StreamContraction(nn.Module):
     """Learned output head: sum_s w_s x_s with pre-style sigmoid weights (no Sinkhorn)."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS,
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        norm_eps: float,
+        eps: float = MHC_EPS,
         kernels: str = "auto",
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         S = num_streams
         self.norm_eps, self.eps, self.kernels = norm_eps, eps, kernels
@@ -249,9 +305,14 @@ class StreamContraction(nn.Module):
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
         return contract(
-            x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps, eps=self.eps,
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
             kernels=self.kernels,
-        )  # fmt: skip
+        )
 
 
 class SqueezeStreams(nn.Module):
