@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, json_args, sync, timed
+from common import REPO_ROOT, json_args, sync, timed, write_result
 
 from birkhoff.presets import Preset, get_preset
 from birkhoff.rl.loop import GRPORun
@@ -224,7 +224,7 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     result = {"args": json_args(args), "world_size": ctx.world_size, "plain": plain,
               "distributed": figures, "torch": torch.__version__}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, device=args.device, indent=2)
     print(json.dumps(result))
 
 

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as tuc
-from common import add_size_args, apply_sizes, json_args, same_active_moe, sync
+from common import add_size_args, apply_sizes, json_args, same_active_moe, sync, write_result
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     tags = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
     out = args.out or RESULTS / f"recompute_memory-{args.device}{tags}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, device=args.device, indent=2)
     print(json.dumps({"ratios": summary, "stash_leak_after_step_bytes": leak}))
     print(f"wrote {out}")
     return 0

@@ -181,13 +181,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--speculative", type=int, default=0, help="MTP draft tokens per step")
+    parser.add_argument("--chat", action="store_true", help="prompts through the chat template")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from birkhoff.engine import Engine, SamplingParams
     from birkhoff.interop.tokenizer import checkpoint_tokenizer
-    from birkhoff.tasks.batches import text_prompt_ids
     from birkhoff.train.checkpoint import load_checkpoint
     from birkhoff.train.dcp import is_sharded_checkpoint
 
@@ -196,12 +196,12 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "
                          "consolidate --checkpoint DIR --out NEW_DIR` first")  # fmt: skip
     try:
-        tok = checkpoint_tokenizer(args.checkpoint)
+        tok = checkpoint_tokenizer(args.checkpoint, chat=args.chat)
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 stop_token_ids=tok.stop_ids,
                                 num_speculative_tokens=args.speculative)  # fmt: skip
-        prompts = [text_prompt_ids(text, tok) for text in args.prompt]
+        prompts = [tok.encode_prompt(text) for text in args.prompt]
         model = load_checkpoint(args.checkpoint).model.eval()
         engine = Engine.from_model(model, device=device, max_batch_size=len(prompts),
                                    max_speculative_tokens=max(args.speculative, 1))  # fmt: skip
