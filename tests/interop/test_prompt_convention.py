@@ -19,9 +19,9 @@ from test_hf_tokenizer import TEMPLATE, write_tokenizer
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.interop.hf import import_hf
 from birkhoff.interop.tokenizer import HFTokenizer, checkpoint_tokenizer
+from birkhoff.runtime.checkpoint import load_checkpoint
 from birkhoff.tasks.batches import build_supervised_batch, prompt_ids
 from birkhoff.tasks.problems import Problem
-from birkhoff.train.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -108,7 +108,7 @@ def test_rollout_counts_a_guarded_verifier_failures(tmp_path, monkeypatch) -> No
     ro = rollout(engine, task.problems * 2, task, tok, rl, seed=0)
     assert dict(ro.verifier_counts) == {"verifier_calls": 8, "verifier_errors": 4,
                                         "verifier_timeouts": 0}  # fmt: skip
-    assert sorted(ro.rewards_NG.flatten().tolist()) == [0.0] * 4 + [1.0] * 4
+    assert sorted(ro.rewards_QW.flatten().tolist()) == [0.0] * 4 + [1.0] * 4
     metrics = rollout_metrics(ro, torch.device("cpu"))
     assert metrics["verifier_errors"] == 4.0 and metrics["verifier_calls"] == 8.0
     sys.modules.pop("odd_checks", None)

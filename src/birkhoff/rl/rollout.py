@@ -1,6 +1,6 @@
-"""Rollouts: sample G completions per prompt from the engine, score them, build the train batch.
+"""Rollouts: sample W completions per prompt from the engine, score them, build the train batch.
 
-Legend: N prompts, G group size, B = N*G completions, T tokens.
+Legend: Q prompts, W group size, B = Q*W completions, T tokens.
 
 The batch keeps the engine's per-token logprobs (the behaviour policy, sampled at temperature
 `RLConfig.temperature` with no top-k/top-p, so they are the policy's own logprobs at T=1) and the
@@ -35,9 +35,9 @@ class StaleRolloutError(ValueError):
 
 
 class Rollout(NamedTuple):
-    prompts: list[list[int]]  # B = N*G, each problem's prompt repeated G times (grouped)
+    prompts: list[list[int]]  # B = Q*W, each problem's prompt repeated W times (grouped)
     completions: list[Completion]
-    rewards_NG: Tensor
+    rewards_QW: Tensor
     accepted_at: list[int]  # per draft position: verify steps that accepted it
     num_verify_steps: int
     seconds: float
@@ -66,9 +66,11 @@ class RLBatch(NamedTuple):
 
 
 def generate_batched(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams,
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
     detokenize: Detokenize | None = None,
-) -> tuple[list[Completion], list[int], int]:  # fmt: skip
+) -> tuple[list[Completion], list[int], int]:
     """One engine.generate over all prompts (continuous batching fills max_batch_size rows);
     (completions, accepted_at, verify steps)."""
     completions = engine.generate(prompts, params, detokenize=detokenize)
@@ -90,8 +92,8 @@ def rollout(
 ) -> Rollout:
     """Seeded completions scored by the task's verifiable reward.
 
-    Default: G samples per problem at the rollout temperature (a GRPO batch, rewards [N,G]).
-    `greedy=True`: one argmax completion per problem (evaluation, rewards [N,1]).
+    Default: W samples per problem at the rollout temperature (a GRPO batch, rewards [Q,W]).
+    `greedy=True`: one argmax completion per problem (evaluation, rewards [Q,1]).
     """
     start = time.perf_counter()
     per_problem = 1 if greedy else cfg.group_size
@@ -111,9 +113,9 @@ def rollout(
     before = task_counts(task)
     rewards = [task.reward(p, c.text or "") for p, c in zip(grouped, completions, strict=True)]
     counts = tuple((k, v - before[k]) for k, v in task_counts(task).items())
-    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
+    rewards_QW = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
     seconds = time.perf_counter() - start
-    return Rollout(prompts, completions, rewards_NG, accepted_at, num_steps, seconds, counts)
+    return Rollout(prompts, completions, rewards_QW, accepted_at, num_steps, seconds, counts)
 
 
 def task_counts(task: Task) -> dict[str, int]:
@@ -123,7 +125,7 @@ def task_counts(task: Task) -> dict[str, int]:
     return {} if counts is None else dict(counts())
 
 
-def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> RLBatch:
+def build_rl_batch(rollout: Rollout, advantages_QW: Tensor, *, pad_id: int) -> RLBatch:
     """Right-padded [B,T] prompt+completion ids with the completion mask and rollout logprobs."""
     rows = [p + c.tokens for p, c in zip(rollout.prompts, rollout.completions, strict=True)]
     T = max(len(r) for r in rows)
@@ -137,7 +139,7 @@ def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> R
         mask_BT[b, lo:hi] = True
         logp_BT[b, lo:hi] = torch.tensor(comp.logprobs, dtype=torch.float32)
     versions = [c.weight_version for c in rollout.completions]
-    return RLBatch(ids_BT, mask_BT, logp_BT, advantages_NG.flatten().float(), versions)
+    return RLBatch(ids_BT, mask_BT, logp_BT, advantages_QW.flatten().float(), versions)
 
 
 def check_staleness(versions: Sequence[int], trainer_version: int, max_staleness: int) -> None:
