@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """What the run reads: a start checkpoint, a JSONL task (birkhoff.rl.inputs)."""
+    """What the run reads: a start checkpoint, a JSONL or generated task (rl.inputs)."""
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -53,6 +53,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
+    parser.add_argument("--task", default=None,
+                        help="a generated task instead of the preset's: addition | sorting | "
+                        "countdown | arithmetic-words")  # fmt: skip
 
 
 def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
@@ -66,6 +69,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
         verifier=args.verifier,
         eval_data=args.eval_data,
         max_new_tokens=args.max_new_tokens,
+        task=args.task,
     )
 
 
@@ -121,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
             grpo.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+    from birkhoff.tasks.guard import VerifierFailureError
+
+    try:
+        grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+    except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
+        raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         for line in run_summary(grpo.log.rows(), out):
