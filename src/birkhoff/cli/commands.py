@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from birkhoff.cli import consolidate, generate, hf, presets, run, train
+from birkhoff.cli import consolidate, evaluate, generate, hf, presets, run, train
 from birkhoff.cli.common import EXIT_USAGE, HelpFormatter, UsageError
 from birkhoff.cli.config import dotted_overrides
 
@@ -24,6 +24,11 @@ SUBCOMMANDS: dict[str, tuple[str, AddArguments, Callable[..., int]]] = {
         "supervised warm-up, then GRPO with the engine in the loop",
         run.add_arguments,
         run.run,
+    ),
+    "eval": (
+        "a checkpoint on a task or a JSONL file: pass@1, pass@k, reward, tokens/s",
+        evaluate.add_arguments,
+        evaluate.run,
     ),
     "presets": (
         "list the presets, or print one's settings as TOML",
