@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # imported lazily at run time: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 class UsageError(Exception):
@@ -53,13 +54,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+OVERWRITE_HINT = "pass --overwrite to replace"
+
+
+def prepare_out_dir(
+    out: Path, *, overwrite: bool, outputs: tuple[str, ...], hint: str = OVERWRITE_HINT
+) -> None:
     """Create `out` (if needed) and check it is writable and holds no previous run's outputs."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
     clashes = [name for name in outputs if (out / name).exists()]
     if clashes and not overwrite:
-        raise UsageError(f"--out {out}: already holds {clashes}; pass --overwrite to replace")
+        raise UsageError(f"--out {out}: already holds {clashes}; {hint}")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}"
@@ -106,14 +112,14 @@ def start_job(args: argparse.Namespace, preset: Preset, *, num_items: int, what:
     return str(ctx.device)
 
 
-def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...], **hint: str) -> None:
     """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
     from birkhoff.train import distributed
 
     error = None
     if distributed.current().is_main:
         try:
-            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs, **hint)
         except UsageError as err:
             error = str(err)
     try:
@@ -239,12 +245,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    from birkhoff.train.checkpoint import CheckpointError
+    from birkhoff.train.stop import StopFlag, stop_on_signals
 
     try:
         preset, inputs = inputs_from_args(args)
     except ValueError as err:
         raise UsageError(str(err)) from err
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out, --overwrite replaces it: pass one")
     out = args.out or Path("runs") / preset.name
     assert preset.rl is not None
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
@@ -252,14 +260,27 @@ def run_run(args: argparse.Namespace) -> int:
         if not (out / "checkpoint").is_dir():
             raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
     else:
-        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        resumable = (out / "checkpoint").is_dir()
+        hint = "pass --resume to continue it or --overwrite to replace it"
+        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS,
+                        hint=hint if resumable else OVERWRITE_HINT)  # fmt: skip
         if is_main():
             (out / "metrics.jsonl").unlink(missing_ok=True)
+    with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
+        return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)
 
+
+def run_grpo(
+    args: argparse.Namespace, preset: Preset, inputs: dict[str, Any], *, out: Path, device: str,
+    flag: Any,
+) -> int:  # fmt: skip
+    """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     import torch
 
     from birkhoff.rl.loop import GRPORun
+    from birkhoff.train.checkpoint import CheckpointError
     from birkhoff.train.metrics import plot_run
+    from birkhoff.train.stop import exit_code, resume_command
 
     threads = args.threads or preset.num_threads
     if device == "cpu" and threads:
@@ -270,12 +291,36 @@ def run_run(args: argparse.Namespace) -> int:
             run.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    run.run(stop_after=args.stop_after, progress=not args.no_progress)
+        if args.stop_after is not None and args.stop_after <= run.step:
+            raise UsageError(f"--stop-after {args.stop_after}: the checkpoint already holds "
+                             f"step {run.step}")  # fmt: skip
+        if is_main():
+            print(resume_line(run, out))
+        if run.step == run.total_steps:
+            return 0
+    run.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
-        for line in run_summary(run.log.rows(), out):
-            print(line)
-    return 0
+        if run.stopped_by is not None:
+            command = resume_command(args.argv, reason=run.stopped_by,
+                                     world_size=run.dist.world_size)  # fmt: skip
+            print(f"stopped ({run.stopped_by}): {out / 'checkpoint'} holds step {run.step} of "
+                  f"{run.total_steps}; resume with: {command}", flush=True)  # fmt: skip
+        else:
+            for line in run_summary(run.log.rows(), out):
+                print(line)
+    return exit_code(run.stopped_by)
+
+
+def resume_line(run: Any, out: Path) -> str:
+    """Where a resumed run continues from (or that it is finished)."""
+    warmup, total = run.rl.warmup_steps, run.total_steps
+    if run.step == total:
+        return (f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
+                "(raise --steps to continue it)")  # fmt: skip
+    phase = (f"warm-up step {run.step + 1} of {warmup}" if run.step < warmup
+             else f"GRPO step {run.step - warmup + 1} of {run.rl.num_steps}")  # fmt: skip
+    return f"resuming {out} at step {run.step + 1} of {total} ({phase})"
 
 
 def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
@@ -371,12 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `birkhoff run` prints the command that resumes it
     try:
         return int(args.run(args))
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # outside a run's steps (those stop at a step boundary)
+        print(f"\nbirkhoff {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         end_process_group()
 
