@@ -11,8 +11,8 @@ from birkhoff.cli import main
 from birkhoff.presets import Preset, tiny_cpu
 from birkhoff.rl.loop import GRPORun
 from birkhoff.rl.rollout import StaleRolloutError
+from birkhoff.runtime.stop import StopFlag
 from birkhoff.train.step import train_step
-from birkhoff.train.stop import StopFlag
 
 
 def small_preset(**rl_changes: object) -> Preset:

@@ -52,7 +52,7 @@ def test_sigint_checkpoints_and_prints_the_resume_command(tmp_path: Path) -> Non
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     code = (
         "import time\n"
-        "from birkhoff.train.stop import StopFlag, stop_on_signals\n"
+        "from birkhoff.runtime.stop import StopFlag, stop_on_signals\n"
         "with stop_on_signals(StopFlag()):\n"
         "    print('ready', flush=True)\n"
         "    time.sleep(60)\n"

@@ -1,8 +1,8 @@
-"""train.stop: the flag, the exit code, the command that resumes a run."""
+"""runtime.stop: the flag, the exit code, the command that resumes a run."""
 
 import signal
 
-from birkhoff.train.stop import StopFlag, exit_code, resume_command, stop_on_signals
+from birkhoff.runtime.stop import StopFlag, exit_code, resume_command, stop_on_signals
 
 
 def test_the_first_reason_stays() -> None:
