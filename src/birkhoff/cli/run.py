@@ -20,6 +20,7 @@ from birkhoff.cli.common import (
     set_threads,
     start_job,
 )
+from birkhoff.cli.config import add_config_arguments, preset_from_args
 
 if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
@@ -30,23 +31,27 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--preset", default="tiny-cpu", help="tiny-cpu | tiny-cpu-moe | h200-grpo | h200-grpo-moe"
-    )
+    parser.add_argument("--preset", default="tiny-cpu", help="the run's settings")
     parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
-    parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="rl.warmup_steps")
+    parser.add_argument("--steps", type=int, default=None, help="rl.num_steps (GRPO steps)")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed")
     add_input_arguments(parser)
+    add_config_arguments(parser)
     stop_help = "stop (checkpointed) after this global step; --resume later"
     parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
     add_job_arguments(parser)
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """What the run reads: a start checkpoint, a JSONL or generated task (birkhoff.rl.inputs)."""
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
+    """What the run reads: a start checkpoint, a JSONL or generated task (rl.inputs)."""
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="rl.max_new_tokens (with --data: room for the longest answer)",
+    )
     parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
@@ -60,27 +65,37 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
     """The preset of `birkhoff run`'s flags and GRPORun's keyword arguments (run_inputs)."""
     from birkhoff.rl.inputs import run_inputs
 
-    return run_inputs(preset_from_args(args), init=args.init, data=args.data,
-                      verifier=args.verifier, eval_data=args.eval_data,
-                      max_new_tokens=args.max_new_tokens, task=args.task)  # fmt: skip
+    return run_inputs(
+        run_preset(args),
+        init=args.init,
+        data=args.data,
+        verifier=args.verifier,
+        eval_data=args.eval_data,
+        max_new_tokens=args.max_new_tokens,
+        task=args.task,
+    )
 
 
-def preset_from_args(args: argparse.Namespace) -> Preset:
-    """The preset with the command line's overrides; ValueError for bad values."""
-    from birkhoff.presets import get_preset
+FLAGS = {  # dedicated flag -> setting
+    "warmup_steps": "rl.warmup_steps",
+    "steps": "rl.num_steps",
+    "max_new_tokens": "rl.max_new_tokens",
+    "seed": "train.seed",
+}
 
-    preset = get_preset(args.preset)
+
+def run_preset(args: argparse.Namespace) -> Preset:
+    """The preset with the command line's settings; ValueError for bad values."""
+    preset = preset_from_args(args, args.preset, FLAGS)
     if preset.rl is None:
         raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps,
-                    "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
-    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    return preset.replace(rl=rl, train=train)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out, --overwrite replaces it: pass one")
+    return preset
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,14 +105,14 @@ def run(args: argparse.Namespace) -> int:
         preset, inputs = inputs_from_args(args)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    if args.resume and args.overwrite:
-        raise UsageError("--resume continues the run in --out, --overwrite replaces it: pass one")
     out = args.out or Path("runs") / preset.name
     assert preset.rl is not None
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
     if args.resume:
         if not (out / "checkpoint").is_dir():
             raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
+        for line in resume_notes(out / "checkpoint", preset):
+            print(line)
     else:
         resumable = (out / "checkpoint").is_dir()
         hint = "pass --resume to continue it or --overwrite to replace it"
@@ -185,3 +200,40 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
             f"refit {mean('refit_s') * 1e3:.1f}ms per step"
         )
     return lines
+
+
+IDENTITY = ("name", "task", "task_options", "model")  # what a resumed run may not change
+MAX_DIFF_LINES = 8
+
+
+def resume_notes(path: Path, preset: Preset) -> list[str]:
+    """Compare `preset` with the config the checkpoint recorded: a changed model or task is a
+    UsageError with a field-by-field diff; changed run-time settings give a note."""
+    import json
+
+    from birkhoff.overrides import as_settings, flatten
+    from birkhoff.runtime.checkpoint import CheckpointError
+    from birkhoff.runtime.dcp import checkpoint_extra
+
+    try:
+        recorded = checkpoint_extra(path).get("config")
+    except CheckpointError as err:
+        raise UsageError(f"--resume: {err}") from err
+    if not isinstance(recorded, dict):  # written before checkpoints recorded their config
+        return []
+    before = flatten(recorded)
+    now = flatten(json.loads(json.dumps(as_settings(preset))))
+    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
+    lines = [f"  {k}: {json.dumps(before.get(k))} -> {json.dumps(now.get(k))}" for k in changed]
+    fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
+    if fixed:
+        more = len(fixed) - MAX_DIFF_LINES
+        shown = fixed[:MAX_DIFF_LINES] + ([f"  ... and {more} more"] if more > 0 else [])
+        raise UsageError(
+            f"{path} holds a run of another model or task (checkpoint -> now):\n"
+            + "\n".join(shown)
+            + "\nresume with the checkpoint's settings, or start a new --out"
+        )
+    if lines:
+        return ["--resume: settings changed since the checkpoint (checkpoint -> now):", *lines]
+    return []

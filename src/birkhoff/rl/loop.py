@@ -41,6 +41,7 @@ from birkhoff.engine import Engine
 from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.mtp import shift_targets
 from birkhoff.model.transformer import Transformer
+from birkhoff.overrides import as_settings
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
@@ -274,7 +275,11 @@ class GRPORun:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        extra = {"engine_version": self.engine.weight_version, "preset": self.preset.name}
+        extra = {
+            "engine_version": self.engine.weight_version,
+            "preset": self.preset.name,
+            "config": as_settings(self.preset),
+        }  # the resolved settings, for --resume
         save = save_sharded if self.dist.enabled else save_checkpoint
         save(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step, extra=extra)
         self.checkpoint_step = self.step
