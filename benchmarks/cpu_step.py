@@ -67,7 +67,9 @@ def plain_twin(preset: Preset) -> Preset:
 def warmed_run(preset: Preset, out: str) -> GRPORun:
     """A run after the preset's supervised warm-up, its engine refit: the first GRPO step."""
     run = GRPORun(preset, out)
-    for _ in run.warmup_rows(run.rl.warmup_steps):
+    rows = run.step_rows()  # the supervised warm-up's rows come first
+    for _ in range(run.rl.warmup_steps):
+        next(rows)
         run.step += 1
     run.refit()
     return run
