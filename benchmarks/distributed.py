@@ -39,8 +39,8 @@ from common import REPO_ROOT, json_args, sync, timed, write_result
 
 from birkhoff.presets import Preset, get_preset
 from birkhoff.rl.loop import GRPORun
+from birkhoff.runtime import distributed
 from birkhoff.tasks.batches import SupervisedBatch
-from birkhoff.train import distributed
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import train_step

@@ -46,8 +46,9 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def imported_dirs(factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """name -> checkpoint directory of every VARIANTS entry (imported on first use)."""
-    from birkhoff.interop.gguf import import_gguf
+    """name -> checkpoint directory of every VARIANTS entry, imported on first use by the
+    command line (`birkhoff import-hf FILE.gguf --streams S --mtp-depth M`)."""
+    from birkhoff.cli import main
 
     root = shared_root(factory) / "smollm2"
     root.mkdir(exist_ok=True)
@@ -55,8 +56,19 @@ def imported_dirs(factory: pytest.TempPathFactory) -> dict[str, Path]:
     with locked(root / "import.lock"):
         for name, (num_streams, mtp_depth) in VARIANTS.items():
             if not (dirs[name] / "manifest.json").is_file():
-                import_gguf(gguf_path(), dirs[name], num_streams=num_streams,
-                            mtp_depth=mtp_depth, max_seq_len=MAX_SEQ_LEN)  # fmt: skip
+                argv = [
+                    "import-hf",
+                    str(gguf_path()),
+                    "--out",
+                    str(dirs[name]),
+                    "--streams",
+                    str(num_streams),
+                    "--mtp-depth",
+                    str(mtp_depth),
+                    "--max-seq-len",
+                    str(MAX_SEQ_LEN),
+                ]
+                assert main(argv) == 0
     return dirs
 
 

@@ -26,7 +26,7 @@ from smollm2 import (
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.interop.tokenizer import HFTokenizer
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 QUESTIONS = ["What is 71 + 55?", "Name three primary colors.", "Write a haiku about rain."]
 TEXTS = [
@@ -66,8 +66,9 @@ def ref_tok() -> Any:
 
 def chat_ids(ref_tok: Any, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
-    out = ref_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)  # fmt: skip
+    out = ref_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -81,7 +82,12 @@ def test_config_and_tokenizer(
 ) -> None:
     cfg = models["dense"].cfg
     assert (cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads, cfg.kv_heads) == (
-        49152, 576, 30, 9, 3)  # fmt: skip
+        49152,
+        576,
+        30,
+        9,
+        3,
+    )
     assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.ffn_dim == 1536
     up = models["upcycled"].cfg
     assert (up.num_streams, up.mtp_depth) == (4, 1) and up.replace(
@@ -102,8 +108,9 @@ def test_tokenizer_ids_equal_transformers(tok: HFTokenizer, ref_tok: Any) -> Non
         assert tok.encode_prompt(question) == chat_ids(ref_tok, question)
     turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "2+2?")]
     multi = [{"role": role, "content": content} for role, content in turns]
-    expected = ref_tok.apply_chat_template(multi, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"]  # fmt: skip
+    expected = ref_tok.apply_chat_template(
+        multi, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert tok.encode_chat(multi) == list(expected)
 
 
@@ -147,8 +154,9 @@ def test_greedy_chat_continuations(
     }
     for b, prompt in enumerate(prompts):
         with torch.no_grad():
-            out = ref_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens,
-                                     do_sample=False)  # fmt: skip
+            out = ref_model.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False
+            )
         expected = out[0, len(prompt) :].tolist()
         for name, completions in got.items():
             assert completions[b].tokens == expected, (name, tok.decode(expected))

@@ -88,8 +88,10 @@ def hf_config_from_gguf(meta: dict[str, Any], *, tied: bool) -> dict[str, Any]:
     dim, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", dim // heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"llama.rope.dimension_count={get('rope.dimension_count')} is not "
-                         f"supported: partial rotary (head dim {head_dim})")  # fmt: skip
+        raise ValueError(
+            f"llama.rope.dimension_count={get('rope.dimension_count')} is not "
+            f"supported: partial rotary (head dim {head_dim})"
+        )
     vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return {
         "architectures": ["LlamaForCausalLM"],

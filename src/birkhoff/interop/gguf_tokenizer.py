@@ -47,8 +47,11 @@ SPLITS: dict[str, tuple[bool, str | None]] = {
 
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in table:
@@ -70,7 +73,7 @@ def pre_tokenizer(pre: str, *, add_prefix_space: bool) -> Any:
     if pre not in SPLITS:
         raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported: known {sorted(SPLITS)}")
     digits, regex = SPLITS[pre]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if regex is None:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True))
     else:
@@ -135,8 +138,12 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     }
-    keys = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-            "pad_token": "padding_token_id", "unk_token": "unknown_token_id"}  # fmt: skip
+    keys = {
+        "bos_token": "bos_token_id",
+        "eos_token": "eos_token_id",
+        "pad_token": "padding_token_id",
+        "unk_token": "unknown_token_id",
+    }
     for name, key in keys.items():
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None:

@@ -107,15 +107,20 @@ def hyper_tensor(cfg: ModelConfig, name: str) -> Tensor:
         home = 2 * index + (sublayer == "mlp")  # as block.py assigns homes
         # an MTP depth's chain starts at its own input projection (its RMSNorms drop the scale)
         chain_index = home if layer_s is not None else int(sublayer == "mlp")
-        values = {"phi": lambda: torch.zeros(S * S + 2 * S, S * D),
-                  "alpha": lambda: torch.full((3,), 0.01),
-                  "bias": lambda: hyper_bias(cfg, home, chain_index)}  # fmt: skip
+        values = {
+            "phi": lambda: torch.zeros(S * S + 2 * S, S * D),
+            "alpha": lambda: torch.full((3,), 0.01),
+            "bias": lambda: hyper_bias(cfg, home, chain_index),
+        }
         return values[param]()
     contraction = CONTRACTION_PATTERN.match(name)
     if contraction is not None:
         param = contraction.group(1)
-        values = {"phi": lambda: torch.zeros(S, S * D), "alpha": lambda: torch.full((1,), 0.01),
-                  "bias": lambda: pre_bias(S, 0, cfg.mhc_eps)}  # fmt: skip
+        values = {
+            "phi": lambda: torch.zeros(S, S * D),
+            "alpha": lambda: torch.full((1,), 0.01),
+            "bias": lambda: pre_bias(S, 0, cfg.mhc_eps),
+        }
         return values[param]()
     raise ValueError(f"{name}: not an mHC parameter")
 

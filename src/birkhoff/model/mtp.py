@@ -81,9 +81,13 @@ class MTPDepth(nn.Module):
         """h'_k: per stream, W_k [RMSNorm(h); RMSNorm(emb)] -> [B,T,S,D]."""
         self.check_streams(h_BTSD)
         return mtp_merge(
-            h_BTSD, emb_BTD, self.hidden_norm.weight, self.embed_norm.weight,
-            eps=self.hidden_norm.eps, project=self.proj,
-        )  # fmt: skip
+            h_BTSD,
+            emb_BTD,
+            self.hidden_norm.weight,
+            self.embed_norm.weight,
+            eps=self.hidden_norm.eps,
+            project=self.proj,
+        )
 
     def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """h_k = Block_k(h'_k): the merge, then the depth's mHC block, as one recompute unit."""
@@ -95,14 +99,20 @@ class MTPDepth(nn.Module):
 
 
 def mtp_merge(
-    h_BTSD: Tensor, emb_BTD: Tensor, hidden_norm_D: Tensor, embed_norm_D: Tensor, *, eps: float,
-    project: Callable[[Tensor], Tensor], kernels: str = "eager",
-) -> Tensor:  # fmt: skip
+    h_BTSD: Tensor,
+    emb_BTD: Tensor,
+    hidden_norm_D: Tensor,
+    embed_norm_D: Tensor,
+    *,
+    eps: float,
+    project: Callable[[Tensor], Tensor],
+    kernels: str = "eager",
+) -> Tensor:
     """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(emb)] on every stream -> [B,T,S,D].
 
     `project` applies W_k ([D, 2D]) to the concatenation [B,T,S,2D]; the trainer passes its
     nn.Linear, the engine its (possibly fp8) matmul, so both run this one function. `kernels`
-    (the engine's `cfg.mhc_kernels`) selects the fused inference RMSNorm for the two norms.
+    (the engine's kernel choice) selects the fused inference RMSNorm for the two norms.
     """
     e_BTD = rms_norm(emb_BTD, embed_norm_D, eps, kernels=kernels)
     h_BTSD = rms_norm(h_BTSD, hidden_norm_D, eps, kernels=kernels)

@@ -21,7 +21,7 @@ import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from birkhoff.tasks.problems import Problem
 from birkhoff.tasks.verifiers import Verifier, get_verifier
@@ -55,6 +55,11 @@ class JsonlTask:
         """Longest prompt + answer in characters."""
         return max(len(p.prompt) + len(p.answer) for p in self.problems)
 
+    def counts(self) -> dict[str, int]:
+        """The guarded verifier's calls, errors and timeouts so far (guard.py); {} for others."""
+        counts = getattr(self.verifier, "counts", None)
+        return {} if counts is None else counts()
+
 
 class JsonlSplits(NamedTuple):
     train: JsonlTask
@@ -73,7 +78,10 @@ def parse_line(text: str) -> Problem:
         raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from err
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    prompt, answer = record.get("prompt"), record.get("answer")
+    missing = [key for key in ("prompt", "answer") if key not in record]
+    if missing:
+        raise ValueError(f"no {' and no '.join(repr(k) for k in missing)} key")
+    prompt, answer = record["prompt"], record["answer"]
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string, got {prompt!r}")
     if not prompt.strip():
@@ -149,12 +157,14 @@ def load_jsonl_tasks(
     seed: int = 0,
     tokenizer: Encoder | None = None,
     max_seq_len: int | None = None,
+    **guard: Any,
 ) -> JsonlSplits:
     """Train and held-out tasks from JSONL file(s), every line checked before returning.
 
-    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits.
+    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits;
+    `guard` sets a user verifier's timeout and failure limits (guard.GuardedVerifier).
     """
-    check = get_verifier(verifier)
+    check = get_verifier(verifier, **guard)
 
     def read(file: str | os.PathLike[str]) -> list[Problem]:
         return read_problems(Path(file), check, tokenizer=tokenizer, max_seq_len=max_seq_len)

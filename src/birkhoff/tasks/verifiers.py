@@ -20,7 +20,10 @@ Design choices:
   never "the last number in the text": a completion that appends other numbers gets no credit.
   Non-finite numbers never match.
 - A user function's return value must be a bool or a finite number; anything else raises
-  ValueError naming the function, so a broken verifier cannot silently give zero reward.
+  ValueError naming the function. User functions run guarded (guard.py): a per-call timeout,
+  an exception or timeout scores 0 and is counted and logged, and a failure rate over the limit
+  stops the run, so a broken verifier can neither silently give zero reward nor take a run
+  down on one bad completion.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from birkhoff.tasks import countdown
 from birkhoff.tasks.answers import numeric_answer
+from birkhoff.tasks.guard import GuardedVerifier
 from birkhoff.tasks.problems import Problem
 
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -158,8 +162,10 @@ def load_function(spec: str) -> Callable[[Problem, str], object]:
 VERIFIERS = ("exact", "numeric", "numeric:TOL", "answer", "countdown", "module:function")
 
 
-def get_verifier(spec: str) -> Verifier:
-    """A verifier from its spec string; unknown specs raise ValueError listing the valid forms."""
+def get_verifier(spec: str, **guard: Any) -> Verifier:
+    """A verifier from its spec string; unknown specs raise ValueError listing the valid forms.
+    A user function runs guarded (guard.py; `guard`: GuardedVerifier's timeout_s,
+    max_failure_rate, min_calls)."""
     if spec == "exact":
         return ExactMatch()
     if spec == "numeric":
@@ -175,5 +181,5 @@ def get_verifier(spec: str) -> Verifier:
             raise ValueError(f"verifier={spec!r}: tolerance is not a number") from err
         return NumericMatch(rel_tol=0.0, abs_tol=tol)
     if re.fullmatch(r"[\w.]+:\w+", spec):
-        return PythonVerifier(spec, load_function(spec))
+        return GuardedVerifier(PythonVerifier(spec, load_function(spec)), **guard)
     raise ValueError(f"verifier={spec!r} is unknown; valid: {list(VERIFIERS)}")

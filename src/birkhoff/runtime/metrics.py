@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from birkhoff.train.checkpoint import atomic_write_bytes
+from birkhoff.runtime.checkpoint import atomic_write_bytes
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -6,7 +6,7 @@ A sharded checkpoint is a directory:
     config.json               ModelConfig.to_json()
     meta.json                 step, user `extra`, world size, format; written last
 Design choices:
-- Atomic as the single-file format (birkhoff.train.checkpoint): rank 0 makes a fresh temp
+- Atomic as the single-file format (birkhoff.runtime.checkpoint): rank 0 makes a fresh temp
   directory beside the target and broadcasts its name, every rank writes its shards there, and
   after a barrier rank 0 writes meta.json and renames the directory into place (moving an existing
   checkpoint aside first). A crash anywhere before the rename leaves the previous checkpoint
@@ -41,13 +41,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from birkhoff.config import ModelConfig
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
     capture_rng_state,
     commit_dir,
     parse_config,
     parse_json,
+    read_manifest,
+    read_verified,
     restore_rng_state,
     save_checkpoint,
     torch_bytes,
@@ -161,6 +163,14 @@ def read_sharded_meta(path: Path) -> ShardedCheckpoint:
     cfg = parse_config(path / CONFIG_FILE, (path / CONFIG_FILE).read_bytes())
     return ShardedCheckpoint(cfg, int(meta["step"]), dict(meta.get("extra", {})),
                              int(meta["world_size"]))  # fmt: skip
+
+
+def checkpoint_extra(path: Path) -> dict[str, Any]:
+    """The `extra` metadata of a checkpoint of either format (verified), without its weights."""
+    if is_sharded_checkpoint(path):
+        return read_sharded_meta(path).extra
+    meta = read_verified(path, read_manifest(path), META_FILE)
+    return dict(parse_json(path / META_FILE, meta).get("extra", {}))
 
 
 def load_sharded(

@@ -2,8 +2,8 @@
 
 The module imports nothing heavy at the top (argparse and pathlib only), so building the
 `birkhoff` parser stays fast; torch and the converters load when a command runs. User errors
-raise ValueError (an existing --out without --overwrite, a bad checkpoint); birkhoff/cli.py
-prints them as one line with exit code 2.
+raise ValueError (an existing --out without --overwrite, a bad checkpoint); `run` prints them
+as one line with exit code 2.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+
+from birkhoff.cli.common import UsageError
 
 
 def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
@@ -44,8 +46,13 @@ def run_import_hf(args: argparse.Namespace) -> Path:
 
     check_out(args)
     convert = import_gguf if args.source.suffix == ".gguf" else import_hf
-    return convert(args.source, args.out, num_streams=args.streams, mtp_depth=args.mtp_depth,
-                   max_seq_len=args.max_seq_len)  # fmt: skip
+    return convert(
+        args.source,
+        args.out,
+        num_streams=args.streams,
+        mtp_depth=args.mtp_depth,
+        max_seq_len=args.max_seq_len,
+    )
 
 
 def run_export_hf(args: argparse.Namespace) -> Path:
@@ -60,3 +67,12 @@ RUNS: dict[str, Callable[[argparse.Namespace], Path]] = {
     "import-hf": run_import_hf,
     "export-hf": run_export_hf,
 }
+
+
+def run(args: argparse.Namespace) -> int:
+    """`import-hf` / `export-hf`; errors exit with code 2."""
+    try:
+        print(RUNS[args.command](args))
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    return 0
