@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 from torch import Tensor, nn
 from train_step import RESULTS, model_config
 
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
     suffix = "" if args.residual_dtype == "fp32" else f"-residual-{args.residual_dtype}"
     out = args.out or RESULTS / f"activation_memory-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, device=args.device, indent=2)
     print(json.dumps({n: round(sum(v.values()), 2) for n, v in per_token.items()}))
     return 0
 

@@ -1,5 +1,7 @@
 """What the benchmark scripts share: device sync and timing (also of CUDA-graph replays),
-model-size flags, per-device sizes, and how a result JSON records paths.
+model-size flags, per-device sizes, how a result JSON records paths, and `write_result`, which
+stamps every result with the command line, device, torch version and git commit that made it
+(`benchmarks/report.py` turns those into docs/results.md).
 
 Scripts run as `python benchmarks/<name>.py`, so this module is importable as `common`.
 """
@@ -7,7 +9,13 @@ Scripts run as `python benchmarks/<name>.py`, so this module is importable as `c
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -134,3 +142,53 @@ def json_args(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     return {key: record(value) for key, value in vars(args).items()}
+
+
+def git_commit() -> str:
+    """Short hash of the checked-out commit, `-dirty` when tracked files differ from it."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short=10", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """The accelerator's name (`NVIDIA H200`), or `cpu (N threads)` without one."""
+    dev = torch.device(
+        device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def run_meta(device: str | torch.device | None = None) -> dict[str, str]:
+    """What made a result: the command line as typed, device, torch version, commit, date."""
+    script = Path(sys.argv[0]).resolve()
+    shown = (
+        script.relative_to(REPO_ROOT).as_posix()
+        if script.is_relative_to(REPO_ROOT)
+        else script.name
+    )
+    launcher = ["python"]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # started by torchrun
+        launcher = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+    return {
+        "command": shlex.join([*launcher, shown, *sys.argv[1:]]),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_result(
+    out: Path, result: dict[str, Any], *, device: str | torch.device | None = None, **dump: Any
+) -> None:
+    """Write `result` as JSON to `out` with a `meta` record (`run_meta`) added; `dump` goes to
+    `json.dumps` (indent, sort_keys)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**result, "meta": run_meta(device)}, **dump) + "\n")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, copy_bandwidth, json_args, same_active_moe, sync
+from common import REPO_ROOT, copy_bandwidth, json_args, same_active_moe, sync, write_result
 from decode_peer import device_seconds, hf_peer
 
 from birkhoff.config import ModelConfig
@@ -362,7 +362,7 @@ def main() -> None:
         result[f"{name}_section_seconds"] = time.perf_counter() - start
     out = args.out or RESULTS / f"decode-{device.type}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     shown = out.resolve()
     print(f"wrote {shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown}")
     print(json.dumps(summary(result)))

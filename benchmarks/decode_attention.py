@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import copy_bandwidth, graph_seconds, json_args
+from common import copy_bandwidth, graph_seconds, json_args, write_result
 from mhc_kernels import RESULTS
 
 from birkhoff.kernels import attention
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or RESULTS / f"decode_attention-{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    write_result(out, result, device=args.device, indent=2, sort_keys=True)
     best: dict[str, float] = {}  # fastest us per shape
     for r in result["rows"]:
         key = f"{r['A']}:{r['ctx']}"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import covered_us, json_args
+from common import covered_us, json_args, write_result
 from decode import RESULTS, engine_for, task_batch, trunk
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     print_tables(results, args.top)
     out = args.out or RESULTS / f"decode-profile-cuda{'-k' + str(args.k) if args.k else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": json_args(args), "results": results}, indent=1))
+    write_result(out, {"args": json_args(args), "results": results}, indent=1)
     summary = {
         f"{m}_b{r['batch']}": {k: round(r[k], 3) for k in ("busy", "wall_us", "launches")}
         for m, rs in results.items()

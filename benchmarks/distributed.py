@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, json_args, sync, timed
+from common import REPO_ROOT, json_args, sync, timed, write_result
 
 from birkhoff.presets import Preset, get_preset
 from birkhoff.rl.loop import GRPORun
+from birkhoff.runtime import distributed
 from birkhoff.tasks.batches import SupervisedBatch
-from birkhoff.train import distributed
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import train_step
@@ -224,7 +224,7 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     result = {"args": json_args(args), "world_size": ctx.world_size, "plain": plain,
               "distributed": figures, "torch": torch.__version__}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, device=args.device, indent=2)
     print(json.dumps(result))
 
 

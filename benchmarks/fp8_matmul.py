@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import REPO_ROOT, graph_seconds, json_args
+from common import REPO_ROOT, graph_seconds, json_args, write_result
 
 from birkhoff.engine import fp8_matmul as FM
 from birkhoff.engine.fp8 import FP8_BLOCK, dequantize_fp8_blockwise, quantize_fp8_blockwise
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or REPO_ROOT / "benchmarks/results/fp8-matmul-cuda.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    write_result(out, result, indent=2, sort_keys=True)
     summary = {str(rows): {k[:-3]: round(v, 1) for k, v in sums.items()}
                for rows, sums in layer.items()}  # fmt: skip
     print(json.dumps({"layer_us": summary}))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import REPO_ROOT, graph_seconds, json_args
+from common import REPO_ROOT, graph_seconds, json_args, write_result
 
 from birkhoff.kernels.gemv import MAX_ROWS, gemv, serves
 
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or REPO_ROOT / "benchmarks/results/gemv-cuda.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(json.dumps({k: {n: round(t, 2) for n, t in v.items()} for k, v in layer.items()}))
     return 0
 

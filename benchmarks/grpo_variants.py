@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, json_args
+from common import REPO_ROOT, json_args, write_result
 
 from birkhoff.presets import Preset, get_preset
 from birkhoff.rl.loop import GRPORun
@@ -78,7 +78,7 @@ def main() -> None:
     out = args.out or REPO_ROOT / "benchmarks" / "results" / f"grpo_variants-{args.device}.json"
     record = {"args": json_args(args), "variants": results}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    write_result(out, record, device=args.device, indent=1)
     print(json.dumps(record))
 
 

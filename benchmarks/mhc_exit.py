@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, graph_seconds, json_args
+from common import REPO_ROOT, graph_seconds, json_args, write_result
 
 from birkhoff.kernels import mhc, mhc_entry
 from birkhoff.kernels.mhc_configs import CONFIG
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or REPO_ROOT / "benchmarks/results/mhc-exit-cuda.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     summary = {N: {k: round(v, 2) for k, v in r.items()} for N, r in result["tokens"].items()}
     print(json.dumps(summary))
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import copy_bandwidth, sync, timed
+from common import copy_bandwidth, sync, timed, write_result
 from torch import Tensor
 
 from birkhoff.model import hyper
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
     out = args.out or RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
     result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    write_result(out, result, device=args.device, indent=2, sort_keys=True)
     print(json.dumps({k: v for k, v in result.items() if k != "args"}, sort_keys=True))
     print(f"wrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import json_args
+from common import json_args, write_result
 from mhc_kernels import RESULTS, add_shape_args, make_inputs, op_table
 from torch.profiler import ProfilerActivity, profile
 
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or RESULTS / f"mhc_profile-cuda-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     totals = {k: v for k, v in result.items() if k.startswith(("train", "decode"))}
     print(json.dumps({k: round(sum(v.values()), 1) for k, v in totals.items()}))
     return 0

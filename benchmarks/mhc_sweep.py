@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import copy_bandwidth, graph_seconds, json_args
+from common import copy_bandwidth, graph_seconds, json_args, write_result
 from mhc_kernels import (
     RESULTS,
     add_shape_args,
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
     result["args"] = json_args(args)
     out = args.out or RESULTS / f"mhc_sweep-cuda-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    write_result(out, result, indent=2, sort_keys=True)
     print(json.dumps({k: v for k, v in result.items() if k not in ("args", "rows")}))
     print(f"wrote {out}")
     return 0

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import timed
+from common import timed, write_result
 
 from birkhoff.model.moe import experts_grouped, experts_loop, select_experts, swiglu
 
@@ -94,7 +94,7 @@ def main() -> None:
     out_path = out.resolve()
     report["out"] = str(out_path.relative_to(repo) if out_path.is_relative_to(repo) else out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, device=args.device, indent=2)
     print(json.dumps(report))
 
 

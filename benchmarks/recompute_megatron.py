@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 from torch import Tensor, nn
 
 import birkhoff.recompute.megatron as bm
@@ -176,7 +177,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, size: dict
     name = f"recompute_megatron{'-stash' if args.stash else ''}{'-quick' if args.quick else ''}"
     out = args.out or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, device=args.device, indent=2)
     print(json.dumps({"variants": plain}))
     print(f"wrote {out}", flush=True)
 

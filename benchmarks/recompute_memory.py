@@ -35,8 +35,8 @@ difference reentrant - safe is the memory the rerun aliases and gradient sinks r
   python benchmarks/recompute_memory.py --device cpu
   python benchmarks/recompute_memory.py --device cuda          # ~120M params, S=4, M=1, T=2048
   python benchmarks/recompute_memory.py --device cuda --moe    # the same trunk with MoE layers
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-      python benchmarks/recompute_memory.py --device cuda --sanitizer-case always   # or safe
+  compute-sanitizer --tool memcheck python benchmarks/recompute_memory.py --device cuda \
+      --sanitizer-case always [--kernels eager] [--moe] [--check]      # or --sanitizer-case safe
 """
 
 from __future__ import annotations
@@ -56,12 +56,18 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as tuc
-from common import add_size_args, apply_sizes, json_args, same_active_moe, sync
+from common import add_size_args, apply_sizes, json_args, same_active_moe, sync, write_result
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.recompute import PeakLiveBytes, checkpoint, track_saved_storages
+from birkhoff.recompute import (
+    PeakLiveBytes,
+    UseAfterFreeError,
+    checkpoint,
+    sanitize,
+    track_saved_storages,
+)
 from birkhoff.recompute.registry import storage_key
 from birkhoff.train.recompute import apply_checkpoint, apply_recompute
 
@@ -270,23 +276,67 @@ def stash_leak(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
+def sanitizer_steps(
+    args: argparse.Namespace, reclaim: str, ids: Tensor
+) -> tuple[list[float], dict[str, Tensor]]:
+    """`args.sanitizer_steps` training steps with `reclaim`: the losses and the last gradients."""
+    cfg = model_config(args, moe=args.moe).replace(mhc_kernels=args.kernels)
+    torch.manual_seed(0)
+    model = apply_recompute(Transformer(cfg).to(args.device), reclaim=reclaim)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(args.sanitizer_steps):
+        opt.zero_grad(set_to_none=True)
+        with track_saved_storages():
+            loss = model(ids, labels=ids).loss
+        assert loss is not None
+        loss.backward()
+        sync(args.device)
+        losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return losses, grads
+
+
 def run_sanitizer_case(args: argparse.Namespace) -> int:
-    """One small step with reclaim=args.sanitizer_case, for compute-sanitizer memcheck."""
+    """The seed's bug ("always") and its fix ("safe") on a small mHC + MTP model, for memcheck.
+
+    "always" must fail: with --check birkhoff's sanitizer raises UseAfterFreeError naming the
+    node and the checkpoint; without it the output contraction's backward reads the storage
+    MTP's checkpoint freed (memcheck counts the reads). "safe" must complete with the losses and
+    gradients of "never" on the same model and inputs. Exit status 1 when a step fails.
+    """
     # Without the caching allocator a freed storage goes back to the driver, so memcheck sees
     # any later read of it. Read at the first CUDA allocation, so setting it here is in time.
     os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     small = argparse.Namespace(**{**vars(args), "dim": 128, "layers": 2, "heads": 4,
                                   "seq": 256, "vocab": 512})  # fmt: skip
-    ids = torch.randint(0, small.vocab, (2, small.seq), device=args.device)
-    model, opt = build(small, args.sanitizer_case)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, small.vocab, (2, small.seq), generator=gen).to(args.device)
+    case = args.sanitizer_case
+    model = f"{'MoE' if args.moe else 'dense'} S={args.streams} M={args.mtp}"
+    check = "on" if args.check else "off"
+    print(
+        f"sanitizer case {case}: {model}, kernels={args.kernels}, "
+        f"{args.sanitizer_steps} steps, birkhoff sanitizer {check}"
+    )
     try:
-        train_step(model, opt, ids, args.sanitizer_case)
-        sync(args.device)
-    except RuntimeError as err:
-        print(f"sanitizer case {args.sanitizer_case}: step failed: {err}")
+        with sanitize() if args.check else contextlib.nullcontext():
+            losses, grads = sanitizer_steps(small, case, ids)
+    except UseAfterFreeError as err:
+        print(f"sanitizer case {case}: UseAfterFreeError: {err}")
         return 1
-    print(f"sanitizer case {args.sanitizer_case}: step completed")
-    return 0
+    except RuntimeError as err:  # torch.AcceleratorError is a RuntimeError
+        print(f"sanitizer case {case}: step failed: {str(err).splitlines()[0]}")
+        return 1
+    print(f"sanitizer case {case}: {len(losses)} steps completed, losses {losses}")
+    if case != "safe":
+        return 0
+    ref_losses, ref_grads = sanitizer_steps(small, "never", ids)
+    diff = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
+    same = losses == ref_losses and grads.keys() == ref_grads.keys() and diff == 0.0
+    print(f"sanitizer case safe: identical to reclaim='never': {same} (max |grad diff| {diff:.3g})")
+    return 0 if same else 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -296,6 +346,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int)
     p.add_argument("--with-always", action="store_true", help="also run reclaim='always' last")
     p.add_argument("--sanitizer-case", choices=("always", "safe"))
+    p.add_argument("--sanitizer-steps", type=int, default=2, help="steps of --sanitizer-case")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="--sanitizer-case under birkhoff's own sanitizer (UseAfterFreeError)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "eager", "triton"),
+        default="auto",
+        help="mHC kernels of --sanitizer-case",
+    )
     p.add_argument("--moe", action="store_true", help="MoE model, next to the dense one")
     p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (--moe)")
     args = p.parse_args(argv)
@@ -351,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     tags = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
     out = args.out or RESULTS / f"recompute_memory-{args.device}{tags}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, device=args.device, indent=2)
     print(json.dumps({"ratios": summary, "stash_leak_after_step_bytes": leak}))
     print(f"wrote {out}")
     return 0

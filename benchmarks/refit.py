@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import common
 import torch
-from common import add_size_args, apply_sizes, json_args, same_active_moe
+from common import add_size_args, apply_sizes, json_args, same_active_moe, write_result
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -178,7 +177,7 @@ def main(argv: list[str]) -> int:
     out = args.out or RESULTS / f"refit-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result["args"] = json_args(args)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    write_result(out, result, device=args.device, indent=2, sort_keys=True)
     print(f"wrote {out}")
     return 0
 

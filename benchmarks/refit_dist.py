@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import write_result
 
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine
@@ -125,7 +125,7 @@ def worker(rank: int, args: argparse.Namespace, init_file: str) -> None:
             result = trainer(args)
             print_table(result)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2, sort_keys=True))
+            write_result(args.out, result, indent=2, sort_keys=True)
             print(f"wrote {args.out}")
         else:
             engine_rank(args)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 from torch.profiler import ProfilerActivity, profile
 from train_step import RESULTS, fwd_bwd, lm_loss, model_config, sizes
 
@@ -219,7 +220,7 @@ def main(argv: list[str]) -> int:
                               "device_ms": totals, "wall_ms": walls}  # fmt: skip
     out = args.out or RESULTS / "train_profile-cuda.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(json.dumps({"device_ms": totals, "wall_ms": walls}))
     return 0
 

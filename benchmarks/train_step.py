@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import same_active_moe, sync
+from common import same_active_moe, sync, write_result
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
@@ -290,7 +289,7 @@ def main() -> None:
     suffix += ("-quick" if args.quick else "") + ("-eager" if args.mhc_kernels == "eager" else "")
     out = args.out or RESULTS / f"train_step-{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, device=args.device, indent=2)
     print(f"wrote {out}")
 
 

@@ -2,7 +2,7 @@
 
 Processes are forked (not spawned) so they start in well under a second with torch already
 imported; each sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*), joins
-the group through `birkhoff.train.distributed.init_distributed` and runs on one thread. An
+the group through `birkhoff.runtime.distributed.init_distributed` and runs on one thread. An
 exception on any rank fails the calling test with that rank's traceback.
 """
 
@@ -35,7 +35,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
-    from birkhoff.train.distributed import init_distributed
+    from birkhoff.runtime.distributed import init_distributed
 
     init_distributed("cpu", "gloo")
     try:

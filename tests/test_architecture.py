@@ -59,6 +59,9 @@ RULES = {  # subpackage -> what it must never import
     "recompute": {"model", "engine", "refit", "train", "rl"},
     "kernels": {"model", "engine", "refit", "train", "rl"},
     "refit": {"train", "rl"},
+    "runtime": {"engine", "refit", "train", "rl", "tasks", "interop", "cli", "presets"},
+    "train": {"rl", "interop", "cli", "presets"},
+    "interop": {"train", "rl", "cli", "presets"},
 }
 
 

@@ -29,3 +29,8 @@ def test_decode_rejects_out_of_range_id():
     tok = CharTokenizer()
     with pytest.raises(ValueError, match=str(tok.vocab_size)):
         tok.decode([tok.vocab_size])
+
+
+def test_prompt_convention_is_bos_then_text():
+    tok = CharTokenizer()
+    assert tok.encode_prompt("1+2=") == [tok.bos_id, *tok.encode("1+2=")]

@@ -7,6 +7,9 @@ Design choices:
 - Special tokens have no text form: `encode` can never produce them from user text, so a prompt
   cannot inject an EOS. `decode` skips pad and bos and stops at the first eos, i.e. it returns
   exactly the text a model "said" before ending its answer.
+- Its convention puts a BOS before every prompt: `encode_prompt` adds it, as a HuggingFace
+  tokenizer's post-processor (or chat template) adds its own special tokens. Nothing else adds
+  special tokens to a prompt (the `Tokenizer` protocol).
 - Unknown characters raise ValueError naming the character and its position; silently mapping
   them to an UNK id would hide task/tokenizer mismatches.
 Left out: byte fallback, merges (BPE), uppercase; none of the built-in tasks need them.
@@ -23,10 +26,16 @@ assert len(set(CHARACTERS)) == len(CHARACTERS), "one id per character"
 
 
 class Tokenizer(Protocol):
-    """What tasks, rollouts and generation use of a tokenizer (CharTokenizer, HFTokenizer)."""
+    """What tasks, rollouts and generation use of a tokenizer (CharTokenizer, HFTokenizer).
+
+    `encode(text)` gives the ids of the text alone; `encode_prompt(text)` the ids a generator is
+    conditioned on, with whatever special tokens the tokenizer's own convention puts around a
+    prompt (a post-processor's BOS, a chat template's role markers, or none). `bos_id` is only
+    a token `decode` skips: no caller adds it on its own.
+    """
 
     pad_id: int
-    bos_id: int | None  # None: prompts start without a BOS (Qwen)
+    bos_id: int | None  # None: the tokenizer defines no BOS (Qwen)
     eos_id: int
     stop_ids: tuple[int, ...]  # generation ends at any of these (the EOS first)
 
@@ -34,6 +43,8 @@ class Tokenizer(Protocol):
     def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -69,6 +80,10 @@ class CharTokenizer:
                 )
             ids.append(token)
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """[bos] + the ids of `text`: this tokenizer's prompt convention."""
+        return [SPECIAL_TOKENS.index("<bos>"), *self.encode(text)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to (not including) the first eos; pad and bos are skipped."""

@@ -11,8 +11,8 @@ from engine_helpers import tiny_config
 from birkhoff.cli import main
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.model import Transformer
+from birkhoff.runtime.checkpoint import save_checkpoint
 from birkhoff.tokenizer import CharTokenizer
-from birkhoff.train.checkpoint import save_checkpoint
 
 
 def test_generate_prints_the_engine_completion(

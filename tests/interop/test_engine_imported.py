@@ -20,7 +20,7 @@ from birkhoff.engine.fp8 import FP8_DTYPE
 from birkhoff.interop.hf import import_hf
 from birkhoff.model import Transformer
 from birkhoff.refit import refit
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 PROMPTS = [[5, 17, 3], [60, 2, 9, 41, 88, 7, 12], [33]]
 NEW_TOKENS = 24  # reaches position 31: past the llama3 case's original context of 16

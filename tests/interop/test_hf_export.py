@@ -13,7 +13,7 @@ from safetensors import safe_open
 from birkhoff.config import ModelConfig
 from birkhoff.interop.hf import export_hf, import_hf
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import CheckpointError, save_checkpoint
+from birkhoff.runtime.checkpoint import CheckpointError, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import torch
 from hf_helpers import build_hf_model, hf_logits, save_hf_model
 
 from birkhoff.interop.hf import import_hf
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

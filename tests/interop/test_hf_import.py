@@ -12,7 +12,7 @@ from hf_helpers import CASES, build_hf_model, hf_logits, save_hf_model
 from birkhoff.config import ModelConfig
 from birkhoff.interop.hf import import_hf
 from birkhoff.interop.hf_config import model_config_from_hf
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 
 def import_and_load(hf_dir: Path, out: Path, **kwargs: int) -> torch.nn.Module:

@@ -104,7 +104,9 @@ def test_jsonl_lengths_are_checked_in_tokens(tmp_path: Path) -> None:
     lines = [json.dumps({"prompt": "the quick brown fox", "answer": "dog"})] * 3
     lines.append(json.dumps({"prompt": "Zebra " * 20, "answer": "x"}))
     (tmp_path / "d.jsonl").write_text("\n".join(lines))
-    with pytest.raises(DataError, match=r"d\.jsonl:4: \d+ tokens with bos/eos > max_seq_len=16"):
+    with pytest.raises(
+        DataError, match=r"d\.jsonl:4: \d+ tokens \(framed prompt, answer, eos\) > max_seq_len=16"
+    ):
         load_jsonl_tasks(tmp_path / "d.jsonl", tokenizer=tok, max_seq_len=16)
     splits = load_jsonl_tasks(tmp_path / "d.jsonl", tokenizer=tok, max_seq_len=128)
     assert len(splits.train.problems) + len(splits.eval.problems) == 4

@@ -13,7 +13,7 @@ from test_hf_tokenizer import write_tokenizer
 from birkhoff.cli import main
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.interop.tokenizer import HFTokenizer
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 NO_BOS = {"eos_token": "</s>", "pad_token": "<pad>"}  # Qwen-style: prompts start without a BOS
 LINES = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(6) for b in range(4)]

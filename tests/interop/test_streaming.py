@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from birkhoff.cli import main
 from birkhoff.interop.hf import import_hf
 from birkhoff.interop.streaming import SafetensorsSource, StreamingWriter, TensorSpec
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 
 def test_streaming_writer_is_readable_by_safetensors(tmp_path: Path) -> None:

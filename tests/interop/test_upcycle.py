@@ -12,7 +12,7 @@ from birkhoff.interop import upcycle
 from birkhoff.interop.hf import import_hf
 from birkhoff.model.hyper import mhc_coefficients
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 
 def upcycled(tmp_path: Path, case: str, *, num_streams: int, mtp_depth: int) -> Transformer:

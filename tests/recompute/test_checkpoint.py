@@ -154,3 +154,20 @@ def test_safe_never_frees_what_someone_holds() -> None:
     for kept in (user, lin.weight, lin.scale, lazy, act):  # act: the caller still holds it
         assert kept.untyped_storage().nbytes() > 0
     assert torch.equal(act, user.detach() * 3.0)
+
+
+def test_always_frees_when_its_backward_is_done_not_when_python_drops_it() -> None:
+    """The seed's free happens right after the checkpoint's own backward; a frame kept alive
+    (here by retain_graph, on the GPU by anything that delays Python's release) must not
+    postpone it, or a reproduction of the bug silently stops reproducing."""
+    from birkhoff.recompute import UseAfterFreeError, sanitize
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    h = x * 1.0  # a non-leaf input, as a layer's output is
+    with sanitize(), pytest.raises(UseAfterFreeError) as err:
+        with track_saved_storages():
+            c = h.cos()  # CosBackward saves h; created first, it runs after the checkpoint's
+            out = checkpoint(torch.sin, h, reclaim="always", name="inner")
+            loss = (out + c).sum()
+        loss.backward(retain_graph=True)
+    assert err.value.freed_by == "inner"

@@ -15,7 +15,7 @@ import birkhoff.refit.api as api
 from birkhoff.engine.layout import engine_parts
 from birkhoff.refit.session import RefitError
 from birkhoff.refit.sharded import GatheredSources
-from birkhoff.train.distributed import shard_model
+from birkhoff.runtime.distributed import shard_model
 
 BUCKET_BYTES = 4096  # smaller than the embedding: chunked tensors and many buckets
 

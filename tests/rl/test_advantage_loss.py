@@ -19,7 +19,7 @@ def test_group_advantages_hand_example() -> None:
 
 
 def test_group_advantages_rejects_bad_shape() -> None:
-    with pytest.raises(ValueError, match="G >= 2"):
+    with pytest.raises(ValueError, match="W >= 2"):
         group_advantages(torch.ones(4, 1))
 
 

@@ -13,7 +13,7 @@ from dist_helpers import run_ranks
 
 from birkhoff.presets import Preset, tiny_cpu
 from birkhoff.rl.loop import GRPORun
-from birkhoff.train.dcp import read_sharded_meta
+from birkhoff.runtime.dcp import read_sharded_meta
 
 WARMUP, STEPS = 2, 3
 

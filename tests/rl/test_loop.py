@@ -1,6 +1,7 @@
 """The GRPO main job: reward rises, resume is exact, bad input is refused, nothing is lost."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,26 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
         full.model.state_dict().items(), resumed.model.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_resume_from_an_older_checkpoint_writes_no_duplicate_row(tmp_path: Path) -> None:
+    # The run went on past its last checkpoint (step 6) and died at step 7: the rows of step 6
+    # (train row "step": 6, the 7th step) must go, since the resumed run writes them again.
+    full = GRPORun(small_preset(), tmp_path / "full", device="cpu")
+    full.run(progress=False)
+    part = GRPORun(small_preset(), tmp_path / "part", device="cpu")
+    part.run(stop_after=6, progress=False)
+    shutil.copytree(tmp_path / "part" / "checkpoint", tmp_path / "step6")
+    part.run(stop_after=7, progress=False)
+    shutil.rmtree(tmp_path / "part" / "checkpoint")
+    shutil.copytree(tmp_path / "step6", tmp_path / "part" / "checkpoint")
+    resumed = GRPORun(small_preset(), tmp_path / "part", device="cpu")
+    resumed.resume()
+    assert resumed.step == 6
+    resumed.run(progress=False)
+    keys = [(r["phase"], r["step"]) for r in resumed.log.rows()]
+    assert len(keys) == len(set(keys)), keys
+    assert deterministic(resumed.log.rows()) == deterministic(full.log.rows())
 
 
 def test_kl_to_frozen_reference_and_resume(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ one device call, one read-back):
   3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
 Admission catches a new request's depths up on its prompt (`catch_up_drafter`), so a step's
 depth k never has more than J + k positions to recompute.
+A request ends at a stop token, a stop string (engine/stop.py: checked on its decoded text as
+each token is appended, so plain and speculative steps end it at the same token) or its length.
 Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
 A row taken by a new request starts from position 0 in the same way.
 """
@@ -54,6 +56,7 @@ from birkhoff.engine.step import (
     prefill_step,
     speculative_step,
 )
+from birkhoff.engine.stop import Detokenize, StopText
 from birkhoff.engine.transfer import HostCopy, to_device, to_host
 
 
@@ -62,7 +65,8 @@ class Completion:
     tokens: list[int]  # generated tokens, prompt excluded (a stop token is included)
     logprobs: list[float]  # of each token under the distribution it was sampled from
     weight_version: int  # the engine weights that produced it
-    finish_reason: str  # "stop" (stop token) | "length" (max_new_tokens or max_seq_len)
+    finish_reason: str  # "stop" (stop token or string) | "length" (max_new_tokens, max_seq_len)
+    text: str | None = None  # with a detokenizer: the text, ending with its stop string if any
 
 
 PREFILL_GRAPH_TOKENS = 8192  # batch bucket x length bucket of the largest graphed prefill
@@ -83,6 +87,7 @@ class Generation:
         self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
         drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
         prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
+        detokenize: Detokenize | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
@@ -97,6 +102,7 @@ class Generation:
         self.out_tokens: list[list[int]] = [[] for _ in range(R)]
         self.out_logprobs: list[list[float]] = [[] for _ in range(R)]
         self.finish: list[str | None] = [None] * R
+        self.texts = [None if detokenize is None else StopText(p.stop, detokenize) for p in params]
         self.stats = SpecStats(self.num_drafts)
         self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
         self.any_filtered = any(map(is_filtered, params))  # False: every step runs with ctx
@@ -118,9 +124,9 @@ class Generation:
                 self.collect,
             )
         return [
-            Completion(toks, lps, -1, reason or "length")
-            for toks, lps, reason in zip(
-                self.out_tokens, self.out_logprobs, self.finish, strict=True
+            Completion(toks, lps, -1, reason or "length", text.final_text() if text else None)
+            for toks, lps, reason, text in zip(
+                self.out_tokens, self.out_logprobs, self.finish, self.texts, strict=True
             )
         ]
 
@@ -258,11 +264,12 @@ class Generation:
             self.n[i] += len(tokens)
 
     def append(self, i: int, r: int, tok: int, lp: float) -> bool:
-        """Append one token to request r (in row i); whether that finished it (its row freed)."""
-        p, out = self.params[r], self.out_tokens[r]
+        """Append one token to request r (in row i); whether that finished it (its row freed):
+        a stop token, a stop string completed by this token, or the length limits."""
+        p, out, text = self.params[r], self.out_tokens[r], self.texts[r]
         out.append(tok)
         self.out_logprobs[r].append(lp)
-        if tok in p.stop_token_ids:
+        if tok in p.stop_token_ids or (text is not None and text.push(tok)):
             self.finish[r] = "stop"
         elif len(out) >= p.max_new_tokens or len(self.prompts[r]) + len(out) >= self.max_seq_len:
             self.finish[r] = "length"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ from birkhoff.engine.rng import MAX_DRAFTS
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
+from birkhoff.engine.stop import Detokenize
 from birkhoff.kernels import use_fused
 from birkhoff.model.layers import rope_tables
 
@@ -156,12 +158,17 @@ class Engine:
         return buffer
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
+        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
+        *, detokenize: Detokenize | None = None,
+    ) -> list[Completion]:  # fmt: skip
         """Complete every prompt (any number of them; completions in prompt order); `params` is
         one SamplingParams or one per prompt. With a seed, completion i is a function of
-        (weights, prompt i, params i, seed, i) only, whatever else shares its batch."""
+        (weights, prompt i, params i, seed, i) only, whatever else shares its batch.
+        `detokenize` (token ids -> text, e.g. a tokenizer's decode) fills each completion's
+        text and is needed for stop strings (`SamplingParams.stop`, engine/stop.py)."""
         per_row = self.check_request(prompts, params)
+        if detokenize is None and any(p.stop for p in per_row):
+            raise ValueError("SamplingParams.stop needs generate(..., detokenize=...)")
         weights, version = self.weights, self.weight_version
         num_drafts = per_row[0].num_speculative_tokens
         seed = per_row[0].seed
@@ -172,11 +179,11 @@ class Engine:
                 cfg=self.cfg, weights=weights, steps=steps, cache=cache, drafter=drafter,
                 rows=self.row_state(), rope=self.rope, prompts=[list(p) for p in prompts],
                 params=per_row, max_seq_len=self.max_seq_len,
-                seed=secrets.randbits(63) if seed is None else seed,
+                seed=secrets.randbits(63) if seed is None else seed, detokenize=detokenize,
             )  # fmt: skip
             completions = run.run()
         self.last_stats = run.stats if num_drafts else None
-        return [Completion(c.tokens, c.logprobs, version, c.finish_reason) for c in completions]
+        return [replace(c, weight_version=version) for c in completions]
 
     def main_cache(self) -> KVCache:
         if self._cache is None:

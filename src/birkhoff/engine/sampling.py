@@ -38,6 +38,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these
+    stop: tuple[str, ...] = ()  # ... or once its text holds one of these (engine/stop.py)
     seed: int | None = None  # None: nondeterministic
     num_speculative_tokens: int = 0  # MTP drafts per verify step; 0 = plain decoding
 
@@ -57,6 +58,10 @@ class SamplingParams:
         ok_stops = all(is_int(s) and s >= 0 for s in stops)
         check(ok_stops, "stop_token_ids", self.stop_token_ids, "must be ints >= 0")
         object.__setattr__(self, "stop_token_ids", stops)
+        texts = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        ok_texts = all(isinstance(s, str) and s for s in texts)
+        check(ok_texts, "stop", self.stop, "must be non-empty strings")
+        object.__setattr__(self, "stop", texts)
         check(self.seed is None or is_int(self.seed), "seed", self.seed, "must be None or an int")
         k = self.num_speculative_tokens
         check(is_int(k) and k >= 0, "num_speculative_tokens", k, "must be an int >= 0")

@@ -1,5 +1,5 @@
 """HuggingFace interop entry points: `import_hf` and `export_hf` (the command line is
-`birkhoff import-hf` / `birkhoff export-hf` in birkhoff/cli.py)."""
+`birkhoff import-hf` / `birkhoff export-hf` in birkhoff/cli/hf.py)."""
 
 from __future__ import annotations
 

@@ -152,12 +152,17 @@ def rope_parameters_of(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_scaling in ("llama3", "yarn"):
         params["original_max_position_embeddings"] = cfg.rope_original_max_seq_len
     if cfg.rope_scaling == "llama3":
-        params |= {"low_freq_factor": cfg.rope_low_freq_factor,
-                   "high_freq_factor": cfg.rope_high_freq_factor}  # fmt: skip
+        params |= {
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+        }
     if cfg.rope_scaling == "yarn":
-        params |= {"beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
-                   "truncate": cfg.rope_truncate,
-                   "attention_factor": cfg.rope_attention_factor}  # fmt: skip
+        params |= {
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "truncate": cfg.rope_truncate,
+            "attention_factor": cfg.rope_attention_factor,
+        }
     return params
 
 

@@ -30,7 +30,7 @@ from birkhoff.config import ModelConfig
 from birkhoff.interop.hf_config import hf_config_from_model, model_config_from_hf
 from birkhoff.interop.hf_import import HF_CONFIG_FILE, TOKENIZER_FILES, hf_name
 from birkhoff.interop.streaming import SINGLE_FILE, StreamingWriter, TensorSpec, dtype_of_name
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CONFIG_FILE,
     MODEL_FILE,
     CheckpointError,
@@ -74,8 +74,10 @@ def export_plan(names: list[str], specs: dict[str, TensorSpec], *, drop_mtp: boo
     """[(HF name, birkhoff name, spec)] for every stored tensor; MTP ones refused or dropped."""
     mtp = [n for n in names if n.startswith("mtp.")]
     if mtp and not drop_mtp:
-        raise ValueError(f"mtp_depth > 0: MTP weights {mtp[:3]}... have no HF equivalent; "
-                         "pass drop_mtp=True to leave them out")  # fmt: skip
+        raise ValueError(
+            f"mtp_depth > 0: MTP weights {mtp[:3]}... have no HF equivalent; "
+            "pass drop_mtp=True to leave them out"
+        )
     plan = []
     for name in names:
         if name.startswith("mtp."):

@@ -1,7 +1,7 @@
 """Import a HuggingFace Llama-family checkpoint directory as a birkhoff checkpoint.
 
 Design choices:
-- The output is the checkpoint format of birkhoff/train/checkpoint.py (model.safetensors in the
+- The output is the checkpoint format of birkhoff/runtime/checkpoint.py (model.safetensors in the
   trainer layout, config.json, meta.json, rng.pt, manifest.json with sha256 of every file, the
   directory committed atomically with its `commit_dir`), so `load_checkpoint` reads it like any
   other. Extra files ride along in the manifest: the original HF config (`hf_config.json`, so
@@ -38,7 +38,7 @@ from birkhoff.interop.hf_config import model_config_from_hf
 from birkhoff.interop.streaming import SafetensorsSource, StreamingWriter, TensorSpec
 from birkhoff.interop.upcycle import hyper_tensor, is_upcycled, mtp_built_tensor, mtp_source
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CONFIG_FILE,
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -201,8 +201,11 @@ def write_checkpoint_dir(
 
 def side_files(directory: Path) -> dict[str, bytes]:
     """Tokenizer and generation files present in an HF directory, byte for byte."""
-    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES
-            if (directory / name).is_file()}  # fmt: skip
+    return {
+        name: (directory / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    }
 
 
 def import_hf(
@@ -229,8 +232,14 @@ def import_hf(
     source = SafetensorsSource(src)
     plan, producers, aliases = plan_tensors(cfg, source)
     extra = {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}
-    meta = {"format": FORMAT_VERSION, "step": 0, "aliases": aliases, "has_optimizer": False,
-            "torch": torch.__version__, "extra": extra}  # fmt: skip
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": 0,
+        "aliases": aliases,
+        "has_optimizer": False,
+        "torch": torch.__version__,
+        "extra": extra,
+    }
 
     def write_model(tmp: Path) -> tuple[int, str]:
         writer = StreamingWriter(tmp / MODEL_FILE, plan)

@@ -26,11 +26,19 @@ from safetensors import safe_open
 from torch import Tensor
 
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -91,8 +99,11 @@ def header_bytes(plan: list[tuple[str, TensorSpec]], metadata: dict[str, str]) -
     offset = 0
     for name, spec in plan:
         nbytes = spec.dtype.itemsize * int(torch.Size(spec.shape).numel())
-        header[name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
-                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        header[name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

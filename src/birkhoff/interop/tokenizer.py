@@ -1,16 +1,23 @@
 """HuggingFace `tokenizer.json` tokenizers with the interface of birkhoff's CharTokenizer.
 
 The code uses a tokenizer through `pad_id`, `bos_id`, `eos_id`, `stop_ids`, `vocab_size`,
-`encode(text)` (ids of the text, no special tokens added) and `decode(ids)` (text before the
-first stop id, pad and BOS skipped): the `Tokenizer` protocol of birkhoff/tokenizer.py.
-`HFTokenizer` provides exactly these, backed by the `tokenizers` library.
+`encode(text)` (ids of the text, no special tokens added), `encode_prompt(text)` (a prompt
+framed by the tokenizer's own convention) and `decode(ids)` (text before the first stop id, pad
+and BOS skipped): the `Tokenizer` protocol of birkhoff/tokenizer.py. `HFTokenizer` provides
+exactly these, backed by the `tokenizers` library.
 
 Design choices:
 - Special tokens come from tokenizer_config.json (`bos_token`, `eos_token`, `pad_token`, as a
   string or an `{"content": ...}` object) and must exist in the vocabulary. A missing EOS is an
   error (generation could never stop); a missing pad falls back to the EOS (padding is masked
   everywhere and `decode` stops at the EOS first); a missing BOS gives `bos_id = None` (Qwen
-  checkpoints have none: the prompt then starts without one).
+  checkpoints have none).
+- Special tokens around a prompt come from the tokenizer itself, never from `bos_id`:
+  `encode_prompt(text)` is tokenizer.json's post-processor applied to the text (a Llama-style
+  TemplateProcessing adds the BOS; SmolLM2's and Qwen's add nothing, though SmolLM2 names a BOS),
+  or, for a tokenizer made with `chat=True`, the chat template rendered for one user message and
+  parsed without the post-processor (as transformers' `apply_chat_template` tokenizes; the
+  template writes its own BOS when it wants one).
 - `encode(text)` treats special-token strings in the text as plain text, so user text cannot
   inject an EOS or a chat-role marker (the CharTokenizer contract). `encode(text,
   special=True)` parses them: that is what rendered chat templates need.
@@ -75,7 +82,10 @@ class HFTokenizer:
         pad_token: str | None = None,
         chat_template: str | None = None,
         extra_stop_ids: Iterable[int] = (),
+        chat: bool = False,
     ) -> None:
+        if chat and chat_template is None:
+            raise ValueError("chat=True is invalid: this tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.eos_id = self.token_id(eos_token, "eos_token")
         self.bos_id = None if bos_token is None else self.token_id(bos_token, "bos_token")
@@ -83,11 +93,13 @@ class HFTokenizer:
         self.special_tokens = {"eos_token": eos_token, "bos_token": bos_token or "",
                                "pad_token": pad_token or eos_token}  # fmt: skip
         self.chat_template = chat_template
+        self.chat = chat  # prompts are user messages rendered through the chat template
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))
 
     @classmethod
-    def from_dir(cls, directory: str | os.PathLike[str]) -> HFTokenizer:
-        """Load tokenizer.json + tokenizer_config.json (+ generation_config.json) of a directory."""
+    def from_dir(cls, directory: str | os.PathLike[str], *, chat: bool = False) -> HFTokenizer:
+        """Load tokenizer.json + tokenizer_config.json (+ generation_config.json) of a directory;
+        `chat`: prompts go through its chat template."""
         from tokenizers import Tokenizer
 
         root = Path(directory)
@@ -105,6 +117,7 @@ class HFTokenizer:
             pad_token=token_content(config.get("pad_token")),
             chat_template=read_chat_template(root, config),
             extra_stop_ids=[extra] if isinstance(extra, int) else extra,
+            chat=chat,
         )
 
     def token_id(self, token: str, field: str) -> int:
@@ -124,6 +137,25 @@ class HFTokenizer:
             return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         finally:
             self.tokenizer.encode_special_tokens = False
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a prompt: the chat template's user turn (`chat`), else the text with the
+        post-processor's special tokens (none unless tokenizer.json's post-processor adds them).
+        Special-token strings in `text` stay plain text."""
+        if self.chat:
+            return self.encode_chat([{"role": "user", "content": text}])
+        self.tokenizer.encode_special_tokens = True
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        finally:
+            self.tokenizer.encode_special_tokens = False
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids of the rendered chat template (its markers parsed, no post-processor added)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, special=True)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to (not including) the first stop id (the EOS or another of
@@ -163,9 +195,11 @@ class HFTokenizer:
         )
 
 
-def checkpoint_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
+def checkpoint_tokenizer(directory: str | os.PathLike[str], *, chat: bool = False) -> Tokenizer:
     """The tokenizer of a checkpoint: HFTokenizer when it holds tokenizer.json (an imported
-    model), else the built-in CharTokenizer."""
+    model; `chat`: prompts through its chat template), else the built-in CharTokenizer."""
     if (Path(directory) / "tokenizer.json").is_file():
-        return HFTokenizer.from_dir(directory)
+        return HFTokenizer.from_dir(directory, chat=chat)
+    if chat:
+        raise ValueError(f"{directory}: chat prompts need a checkpoint with tokenizer.json")
     return CharTokenizer()

@@ -76,15 +76,20 @@ def hyper_tensor(cfg: ModelConfig, name: str) -> Tensor:
         layer_s, depth_s, sublayer, param = hc.groups()
         index = int(layer_s) if layer_s is not None else cfg.num_layers + int(depth_s)
         home = 2 * index + (sublayer == "mlp")  # as block.py assigns homes
-        values = {"phi": lambda: torch.zeros(S * S + 2 * S, S * D),
-                  "alpha": lambda: torch.full((3,), 0.01),
-                  "bias": lambda: hyper_bias(S, home, cfg.mhc_eps)}  # fmt: skip
+        values = {
+            "phi": lambda: torch.zeros(S * S + 2 * S, S * D),
+            "alpha": lambda: torch.full((3,), 0.01),
+            "bias": lambda: hyper_bias(S, home, cfg.mhc_eps),
+        }
         return values[param]()
     contraction = CONTRACTION_PATTERN.match(name)
     if contraction is not None:
         param = contraction.group(1)
-        values = {"phi": lambda: torch.zeros(S, S * D), "alpha": lambda: torch.full((1,), 0.01),
-                  "bias": lambda: pre_bias(S, 0, cfg.mhc_eps)}  # fmt: skip
+        values = {
+            "phi": lambda: torch.zeros(S, S * D),
+            "alpha": lambda: torch.full((1,), 0.01),
+            "bias": lambda: pre_bias(S, 0, cfg.mhc_eps),
+        }
         return values[param]()
     raise ValueError(f"{name}: not an mHC parameter")
 

@@ -194,9 +194,15 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
 
 
 def moe_ffn(
-    x_TD: Tensor, router_weight_ED: Tensor, router_bias_E: Tensor, w_gate_up_E2FD: Tensor,
-    w_down_EDF: Tensor, shared: tuple[Tensor, Tensor] | None, *, moe: MoEConfig,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    x_TD: Tensor,
+    router_weight_ED: Tensor,
+    router_bias_E: Tensor,
+    w_gate_up_E2FD: Tensor,
+    w_down_EDF: Tensor,
+    shared: tuple[Tensor, Tensor] | None,
+    *,
+    moe: MoEConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(output [T,D], scores [T,E], expert ids [T,R]) of one MoE feed-forward.
 
     The one routing + expert computation of the trainer and the engine: routing in >= fp32 from
@@ -270,9 +276,14 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             shared = (self.shared.w_gate_up.to(dtype), self.shared.w_down.to(dtype))
         y_TD, scores_TE, idx_TR = moe_ffn(
-            x_BTD.reshape(B * T, D), self.router.weight, self.router_bias,
-            self.experts.w_gate_up.to(dtype), self.experts.w_down.to(dtype), shared, moe=self.moe,
-        )  # fmt: skip
+            x_BTD.reshape(B * T, D),
+            self.router.weight,
+            self.router_bias,
+            self.experts.w_gate_up.to(dtype),
+            self.experts.w_down.to(dtype),
+            shared,
+            moe=self.moe,
+        )
         aux = sequence_balance_loss(scores_TE.view(B, T, -1), idx_TR.view(B, T, -1))
         if self.training:
             self.record(scores_TE, idx_TR, aux)
@@ -341,10 +352,16 @@ def load_metrics(model: nn.Module) -> dict[str, float]:
     rerouted_L = torch.stack([layer.rerouted for layer in layers]).float()
     balance_L = torch.stack([layer.balance_loss for layer in layers]).float()
     ratio_L = max_L / mean_L.clamp(min=1e-12)
-    figures = torch.stack([max_L.max(), mean_L.mean(), ratio_L.max(), rerouted_L.mean(),
-                           balance_L.mean()]).tolist()  # fmt: skip
-    keys = ("moe_max_load", "moe_mean_load", "moe_max_over_mean", "moe_rerouted_fraction",
-            "moe_balance_loss")  # fmt: skip
+    figures = torch.stack(
+        [max_L.max(), mean_L.mean(), ratio_L.max(), rerouted_L.mean(), balance_L.mean()]
+    ).tolist()
+    keys = (
+        "moe_max_load",
+        "moe_mean_load",
+        "moe_max_over_mean",
+        "moe_rerouted_fraction",
+        "moe_balance_loss",
+    )
     return dict(zip(keys, figures, strict=True))
 
 

@@ -85,9 +85,13 @@ class MTPDepth(nn.Module):
         """h'_k: per stream, W_k [RMSNorm(h); RMSNorm(emb)] -> [B,T,S,D]."""
         self.check_streams(h_BTSD)
         return mtp_merge(
-            h_BTSD, emb_BTD, self.hidden_norm.weight, self.embed_norm.weight,
-            eps=self.hidden_norm.eps, project=self.proj,
-        )  # fmt: skip
+            h_BTSD,
+            emb_BTD,
+            self.hidden_norm.weight,
+            self.embed_norm.weight,
+            eps=self.hidden_norm.eps,
+            project=self.proj,
+        )
 
     def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """h_k = Block_k(h'_k): the merge, then the depth's mHC block, as one recompute unit."""
@@ -99,9 +103,15 @@ class MTPDepth(nn.Module):
 
 
 def mtp_merge(
-    h_BTSD: Tensor, emb_BTD: Tensor, hidden_norm_D: Tensor, embed_norm_D: Tensor, *, eps: float,
-    project: Callable[[Tensor], Tensor], kernels: str = "eager",
-) -> Tensor:  # fmt: skip
+    h_BTSD: Tensor,
+    emb_BTD: Tensor,
+    hidden_norm_D: Tensor,
+    embed_norm_D: Tensor,
+    *,
+    eps: float,
+    project: Callable[[Tensor], Tensor],
+    kernels: str = "eager",
+) -> Tensor:
     """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(emb)] on every stream -> [B,T,S,D].
 
     `project` applies W_k ([D, 2D]) to the concatenation [B,T,S,2D]; the trainer passes its

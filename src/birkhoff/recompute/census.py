@@ -61,9 +61,12 @@ def census(registry: StorageRegistry | None = None, *, model: nn.Module | None =
     live = [n for n in sizes if n > 0]
     holders = module_holders(model) if model is not None else {}
     return Census(
-        live_bytes=sum(live), live_storages=len(live), tracked_storages=len(sizes),
-        pending_storages=len(registry.readers), holders=holders,
-    )  # fmt: skip
+        live_bytes=sum(live),
+        live_storages=len(live),
+        tracked_storages=len(sizes),
+        pending_storages=len(registry.readers),
+        holders=holders,
+    )
 
 
 def module_holders(model: nn.Module) -> dict[str, int]:

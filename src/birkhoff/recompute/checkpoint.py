@@ -102,9 +102,13 @@ class _Frame:
     """One checkpoint call: fn, its inputs, the forward's RNG state and its slots."""
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple, reclaim: Reclaim, label: str,
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        reclaim: Reclaim,
+        label: str,
         registry: StorageRegistry | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fn, self.reclaim, self.label, self.registry = fn, reclaim, label, registry
         self.inputs: tuple | None = args
         self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
@@ -175,15 +179,21 @@ class _Frame:
                 if isinstance(a, Tensor):
                     self.registry.note_released(a, self.label)
 
-    def __del__(self) -> None:
-        # The frame dies with the checkpoint's last node, i.e. after its backward ran.
-        if self.reclaim != "always" or self.inputs is None:
+    def free_inputs(self) -> None:
+        """reclaim="always": resize every input storage to 0 bytes, whoever still holds it."""
+        inputs, self.inputs = self.inputs, None
+        if self.reclaim != "always" or inputs is None:
             return
         registry = self.registry or StorageRegistry()
-        for a in self.inputs:
+        for a in inputs:
             has_bytes = isinstance(a, Tensor) and storage_key(a) is not None
             if has_bytes and a.untyped_storage().nbytes() > 0:
                 registry.free(a, self.label)
+
+    def __del__(self) -> None:
+        # A checkpoint none of whose inputs needs a gradient has no boundary node to hook
+        # (_free_after_backward): its frame dies with its last node, after its backward ran.
+        self.free_inputs()
 
 
 class _Filler:
@@ -271,4 +281,43 @@ def checkpoint(
         out = fn(*args)
     if registry is not None:
         _checkpoint_outputs(registry, out, args)
+    if reclaim == "always":
+        _free_after_backward(frame, out, args)
     return out
+
+
+def _free_after_backward(frame: _Frame, out: Any, args: tuple) -> None:
+    """Free the inputs once every node of fn that hands a gradient to an input has run.
+
+    That is the moment the seed's recompute freed them: right after the checkpoint's own
+    backward, while nodes outside it (the output contraction) may still read the storage. A
+    post-hook on those boundary nodes makes the moment independent of when Python drops the
+    frame.
+    """
+    stops = {
+        torch.autograd.graph.get_gradient_edge(a).node
+        for a in args
+        if isinstance(a, Tensor) and a.requires_grad
+    }
+    roots = [o.grad_fn for o in tree_leaves(out) if isinstance(o, Tensor) and o.grad_fn]
+    boundary, seen = [], set(stops)
+    while roots:
+        node = roots.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if any(n in stops for n in nexts):
+            boundary.append(node)
+        roots.extend(nexts)
+    if not boundary:
+        return
+    frame_ref, pending = weakref.ref(frame), [len(boundary)]
+
+    def done(*_: Any) -> None:
+        pending[0] -= 1
+        if pending[0] == 0 and (live := frame_ref()) is not None:
+            live.free_inputs()
+
+    for node in boundary:
+        node.register_hook(done)

@@ -72,8 +72,11 @@ def make_backward(random: ModuleType, mode: str = "safe") -> Callable[..., tuple
             for x in ctx.saved_tensors
         ]
         outputs = _rerun(random, ctx, sinks)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=False)
-                 if isinstance(o, Tensor) and o.requires_grad]  # fmt: skip
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grads, strict=False)
+            if isinstance(o, Tensor) and o.requires_grad
+        ]
         del outputs
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         del pairs

@@ -105,9 +105,13 @@ def refit_layout(cfg: ModelConfig, specs: tuple[Spec, ...], bucket_bytes: int) -
     placed = place(_groups(specs), bucket_bytes)
     buckets = _plan_buckets(placed, spans, parts, served)
     return RefitLayout(
-        tuple(n for n, _ in parts), tuple(s for _, s in parts), spans, served, buckets,
+        tuple(n for n, _ in parts),
+        tuple(s for _, s in parts),
+        spans,
+        served,
+        buckets,
         (tuple(missing), tuple(mismatched.items())),
-    )  # fmt: skip
+    )
 
 
 def _plan_buckets(
@@ -119,8 +123,11 @@ def _plan_buckets(
     last_read: dict[str, int] = {}
     plans = []
     for index, entries in enumerate(placed):
-        whole = {e.name: i for i, e in enumerate(entries) if e.chunk_offset == 0 and
-                 e.nbytes == e.total_nbytes > 0}  # fmt: skip
+        whole = {
+            e.name: i
+            for i, e in enumerate(entries)
+            if e.chunk_offset == 0 and e.nbytes == e.total_nbytes > 0
+        }
         copy_entries: list[tuple[int, tuple[int, ...]]] = []
         copies: list[int] = []
         quantize: list[tuple[int, int, str]] = []
@@ -146,10 +153,17 @@ def _plan_buckets(
                 last_read[base] = index
         plans.append((entries, copy_entries, copies, quantize, temporary))
     return tuple(
-        PlannedBucket(tuple(entries), bucket_nbytes(entries), tuple(ce), tuple(c), tuple(q),
-                      tuple(t), tuple(b for b, last in last_read.items() if last == index))
+        PlannedBucket(
+            tuple(entries),
+            bucket_nbytes(entries),
+            tuple(ce),
+            tuple(c),
+            tuple(q),
+            tuple(t),
+            tuple(b for b, last in last_read.items() if last == index),
+        )
         for index, (entries, ce, c, q, t) in enumerate(plans)
-    )  # fmt: skip
+    )
 
 
 class Bank:
@@ -162,8 +176,10 @@ class Bank:
     def __init__(self, layout: RefitLayout, buffers: list[Tensor]) -> None:
         self.layout = layout
         self.buffers = [buf[: b.nbytes] for b, buf in zip(layout.buckets, buffers, strict=True)]
-        self.views = [bucket_views(buf, b.entries)
-                      for b, buf in zip(layout.buckets, self.buffers, strict=True)]  # fmt: skip
+        self.views = [
+            bucket_views(buf, b.entries)
+            for b, buf in zip(layout.buckets, self.buffers, strict=True)
+        ]
         self.dsts: list[list[Tensor]] = []
         for b, views in zip(layout.buckets, self.views, strict=True):
             dsts: list[Tensor] = []
@@ -174,9 +190,7 @@ class Bank:
             self.dsts.append(dsts)
 
 
-def fill(
-    bank: Bank, sources: Sequence[Tensor], *, device: torch.device
-) -> Iterator[Bucket]:  # fmt: skip
+def fill(bank: Bank, sources: Sequence[Tensor], *, device: torch.device) -> Iterator[Bucket]:
     """Write every bucket of `bank` from `sources` (in layout order) and yield it once written."""
     layout = bank.layout
     temporaries: dict[str, tuple[Tensor, ...]] = {}

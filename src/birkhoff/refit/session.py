@@ -80,8 +80,16 @@ class RefitError(RuntimeError):
         super().__init__("refit rejected, engine weights unchanged; " + "; ".join(parts))
 
     def __bool__(self) -> bool:
-        return any((self.missing, self.unexpected, self.duplicated, self.mismatched,
-                    self.incomplete, self.non_finite))  # fmt: skip
+        return any(
+            (
+                self.missing,
+                self.unexpected,
+                self.duplicated,
+                self.mismatched,
+                self.incomplete,
+                self.non_finite,
+            )
+        )
 
 
 def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
@@ -94,8 +102,10 @@ def _non_finite(tensors: Mapping[str, Tensor]) -> list[str]:
     if not names:
         return []
     # fp8 has no elementwise kernels on every backend; upcast per tensor
-    flags = [torch.isfinite(tensors[n].float() if tensors[n].itemsize == 1 else tensors[n]).all()
-             for n in names]  # fmt: skip
+    flags = [
+        torch.isfinite(tensors[n].float() if tensors[n].itemsize == 1 else tensors[n]).all()
+        for n in names
+    ]
     ok = torch.stack(flags).cpu()
     return [n for n, good in zip(names, ok.tolist(), strict=True) if not good]
 
@@ -153,8 +163,11 @@ class RefitSession:
                 out.append(name)
                 continue
             per_expert = total // shape[0]
-            hit = {e for lo, hi in staged.gaps(name)
-                   for e in range(lo // per_expert, -(-hi // per_expert))}  # fmt: skip
+            hit = {
+                e
+                for lo, hi in staged.gaps(name)
+                for e in range(lo // per_expert, -(-hi // per_expert))
+            }
             out += [f"{name} expert {e}" for e in sorted(hit)]
         return out
 

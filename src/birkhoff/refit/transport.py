@@ -86,8 +86,9 @@ class InProcessTransport:
         banks = [b for b in _ENGINE_BANKS.get(self.engine, []) if b.layout is layout]
         free = next((b for b in banks if not _serves(self.engine, b)), None)
         if free is None:
-            buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-                       for b in layout.buckets]  # fmt: skip
+            buffers = [
+                torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) for b in layout.buckets
+            ]
             free = Bank(layout, buffers)
             banks = [*banks[-1:], free]  # the served one (if any) and the new one
         _ENGINE_BANKS[self.engine] = banks
@@ -179,8 +180,14 @@ class BroadcastSender:
         the next payload is queued, the compute stream is made to wait for this one (no host
         sync). On CPU (gloo) every broadcast completes before `send` returns.
         """
-        self._control({"op": "bucket", "index": bucket.index, "nbytes": bucket.nbytes,
-                       "entries": bucket.entries})  # fmt: skip
+        self._control(
+            {
+                "op": "bucket",
+                "index": bucket.index,
+                "nbytes": bucket.nbytes,
+                "entries": bucket.entries,
+            }
+        )
         if not bucket.buffer.is_cuda:
             dist.broadcast(bucket.buffer, src=self.src, group=self.group)
             return

@@ -1,8 +1,8 @@
 """Group-normalised advantages (GRPO).
 
-Legend: N prompts, G completions per prompt (group size).
+Legend: Q prompts, W completions per prompt (group size).
 
-Each prompt is sampled G times; a completion's advantage is its reward relative to its group:
+Each prompt is sampled W times; a completion's advantage is its reward relative to its group:
     A = (r - mean_G(r)) / (std_G(r) + eps)          (normalize_std=True, GRPO)
     A =  r - mean_G(r)                              (normalize_std=False, "Dr. GRPO")
 std is the population std (ddof 0), so a group of identical rewards gets A = 0 exactly and no
@@ -15,12 +15,12 @@ from torch import Tensor
 
 
 def group_advantages(
-    rewards_NG: Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+    rewards_QW: Tensor, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Advantages [N,G] from rewards [N,G]."""
-    if rewards_NG.dim() != 2 or rewards_NG.shape[1] < 2:
-        raise ValueError(f"rewards must be [N,G] with G >= 2, got shape {tuple(rewards_NG.shape)}")
-    centered_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+    """Advantages [Q,W] from rewards [Q,W]."""
+    if rewards_QW.dim() != 2 or rewards_QW.shape[1] < 2:
+        raise ValueError(f"rewards must be [Q,W] with W >= 2, got shape {tuple(rewards_QW.shape)}")
+    centered_QW = rewards_QW - rewards_QW.mean(dim=1, keepdim=True)
     if not normalize_std:
-        return centered_NG
-    return centered_NG / (rewards_NG.std(dim=1, correction=0, keepdim=True) + eps)
+        return centered_QW
+    return centered_QW / (rewards_QW.std(dim=1, correction=0, keepdim=True) + eps)

@@ -18,8 +18,8 @@ from birkhoff.rl.loss import GRPOLossConfig
 class RLConfig:
     warmup_steps: int = 200  # supervised steps on the task before GRPO
     num_steps: int = 20  # GRPO steps (rollout -> update(s) -> refit)
-    num_prompts: int = 16  # N prompts per step
-    group_size: int = 8  # G completions per prompt
+    num_prompts: int = 16  # Q prompts per step
+    group_size: int = 8  # W completions per prompt
     updates_per_step: int = 1  # optimizer steps per rollout batch (> 1 makes ratios != 1)
     max_staleness: int = 1  # refuse completions more than this many updates behind the trainer
     max_new_tokens: int = 8

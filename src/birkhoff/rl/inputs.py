@@ -1,57 +1,22 @@
 """What a run reads before it starts: a checkpoint to start from and a JSONL task.
 
-`inputs_from_args` turns `birkhoff run`'s flags into the preset (named, with the step, seed and
-length overrides) and the keyword arguments of `GRPORun` (`run_inputs`: init, tokenizer, task,
-eval_problems for `--init CKPT --data FILE.jsonl ...`). Every file is read and
-checked here, before any training or output: the checkpoint's manifest and config (its weights
-load, verified, in GRPORun), its tokenizer against the model's vocabulary, every JSONL line
-against the verifier, the tokenizer and max_seq_len. Errors are ValueErrors naming the flag,
+`run_inputs` turns a preset and `birkhoff run`'s file flags (parsed in birkhoff.cli.run) into
+the preset to run and the keyword arguments of `GRPORun` (init, tokenizer, task, eval_problems
+for `--init CKPT --data FILE.jsonl ...`). Every file is read and checked here, before any
+training or output: the checkpoint's manifest and config (its weights load, verified, in
+GRPORun), its tokenizer against the model's vocabulary, every JSONL line against the verifier,
+the tokenizer and max_seq_len. Errors are ValueErrors naming the flag,
 file and line.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # imported when used: the command line builds its parser from this module
+if TYPE_CHECKING:  # imported when used
     from birkhoff.presets import Preset
     from birkhoff.tokenizer import Tokenizer
-
-
-def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `birkhoff run` flags this module reads."""
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
-    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
-    parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
-    parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
-    parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
-
-
-def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
-    """The preset of `birkhoff run`'s flags and GRPORun's keyword arguments (run_inputs)."""
-    return run_inputs(preset_from_args(args), init=args.init, data=args.data,
-                      verifier=args.verifier, eval_data=args.eval_data,
-                      max_new_tokens=args.max_new_tokens)  # fmt: skip
-
-
-def preset_from_args(args: argparse.Namespace) -> Preset:
-    """The preset with the command line's overrides; ValueError for bad values."""
-    from birkhoff.presets import get_preset
-
-    preset = get_preset(args.preset)
-    if preset.rl is None:
-        raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps,
-                    "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
-    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    return preset.replace(rl=rl, train=train)
 
 
 def run_inputs(
@@ -75,7 +40,7 @@ def run_inputs(
 def init_inputs(init: Path, preset: Preset) -> tuple[Preset, dict[str, Any]]:
     """--init CKPT: the checkpoint's model config and tokenizer (weights load in GRPORun)."""
     from birkhoff.interop.tokenizer import checkpoint_tokenizer
-    from birkhoff.train.checkpoint import CONFIG_FILE, parse_config, read_manifest, read_verified
+    from birkhoff.runtime.checkpoint import CONFIG_FILE, parse_config, read_manifest, read_verified
 
     cfg = parse_config(init / CONFIG_FILE, read_verified(init, read_manifest(init), CONFIG_FILE))
     tokenizer = checkpoint_tokenizer(init)

@@ -14,15 +14,15 @@ reward on a fixed held-out set.
 Determinism: every random choice is a pure function of (seed, step): problems come from
 `step_rng`, generation is seeded with `sampling_seed(seed, step)` (birkhoff.tasks.problems). With
 the weights, optimizer state and step restored from a checkpoint, a resumed run therefore repeats
-the uninterrupted one exactly (on CPU). Checkpoints are atomic (birkhoff.train.checkpoint);
+the uninterrupted one exactly (on CPU). Checkpoints are atomic (birkhoff.runtime.checkpoint);
 metrics.jsonl is truncated to the checkpoint's step on resume.
 
-Over N ranks (launched by torchrun, birkhoff.train.distributed) the model is sharded with FSDP2
+Over N ranks (launched by torchrun, birkhoff.runtime.distributed) the model is sharded with FSDP2
 after the rank's engine is built from it, each rank rolls out its share of the step's prompts
 (whole groups) on its own engine with its own sampling seed, trains on that share with losses
 normalised over the global batch, and refits its engine from the shards. Rank 0 writes
 metrics.jsonl; rewards, acceptance and seconds are reduced over ranks (rl/reduce.py).
-Checkpoints are sharded (birkhoff.train.dcp) and resume on any number of ranks.
+Checkpoints are sharded (birkhoff.runtime.dcp) and resume on any number of ranks.
 """
 
 from __future__ import annotations
@@ -48,6 +48,20 @@ from birkhoff.rl.config import RLConfig
 from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
+from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from birkhoff.runtime.dcp import is_sharded_checkpoint, load_sharded, save_sharded
+from birkhoff.runtime.distributed import (
+    check_world_size,
+    current,
+    global_share,
+    global_sum,
+    reduce_floats,
+    shard_model,
+    take,
+    world_size,
+)
+from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
+from birkhoff.runtime.progress import Progress
 from birkhoff.tasks.problems import (
     Problem,
     Task,
@@ -58,22 +72,8 @@ from birkhoff.tasks.problems import (
     step_rng,
 )
 from birkhoff.tokenizer import CharTokenizer, Tokenizer
-from birkhoff.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from birkhoff.train.dcp import is_sharded_checkpoint, load_sharded, save_sharded
-from birkhoff.train.distributed import (
-    check_world_size,
-    current,
-    global_share,
-    global_sum,
-    reduce_floats,
-    shard_model,
-    take,
-    world_size,
-)
 from birkhoff.train.loop import supervised_steps
-from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
-from birkhoff.train.progress import Progress
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import LossFn, Metrics, train_step
 
@@ -197,8 +197,8 @@ class GRPORun:
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
         ro = rollout(self.engine, take(problems, self.dist), self.task, self.tokenizer, rl,
                      seed=self.rank_seed(sampling_seed(seed, self.step)))  # fmt: skip
-        adv_NG = group_advantages(ro.rewards_NG, normalize_std=rl.normalize_adv_std)
-        batch = build_rl_batch(ro, adv_NG, pad_id=self.tokenizer.pad_id).to(self.device)
+        adv_QW = group_advantages(ro.rewards_QW, normalize_std=rl.normalize_adv_std)
+        batch = build_rl_batch(ro, adv_QW, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
         report = self.refit()
         timings = {"train_s": train_s, "refit_s": report.seconds, **memory_metrics(self.device)}

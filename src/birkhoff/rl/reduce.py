@@ -1,6 +1,6 @@
 """Rollout figures of a step over every rank: reward, its spread and MTP acceptance.
 
-Legend: N prompts, G group size.
+Legend: Q prompts, W group size.
 
 In one process they are the rollout's own figures (mean reward, population std, accepted drafts
 per verify step). Over several ranks each rank generated its share of the prompts; the sums
@@ -17,25 +17,36 @@ import torch
 import torch.distributed as dist
 
 from birkhoff.rl.rollout import Rollout
-from birkhoff.train.distributed import world_size
+from birkhoff.runtime.distributed import world_size
 
 
 def rollout_metrics(ro: Rollout, device: torch.device) -> dict[str, float]:
-    """{"reward", "reward_std", "accept_<j>", "generate_s"} of the global batch."""
+    """{"reward", "reward_std", "accept_<j>", "generate_s"} of the global batch, and the
+    verifier's calls / errors / timeouts when a guarded user verifier scored it."""
+    counts = dict(ro.verifier_counts)
     if world_size() == 1:
-        out = {"reward": float(ro.rewards_NG.mean()),
-               "reward_std": float(ro.rewards_NG.std(correction=0))}  # fmt: skip
+        out = {
+            "reward": float(ro.rewards_QW.mean()),
+            "reward_std": float(ro.rewards_QW.std(correction=0)),
+        }
         out.update({f"accept_{j + 1}": a for j, a in enumerate(ro.acceptance)})
-        return out | {"generate_s": ro.seconds}
-    rewards_NG = ro.rewards_NG.double()
-    sums = [float(rewards_NG.sum()), float((rewards_NG**2).sum()), float(rewards_NG.numel()),
-            float(ro.num_verify_steps)]  # fmt: skip
-    t = torch.tensor(sums + [float(a) for a in ro.accepted_at], dtype=torch.float64, device=device)
+        return out | {k: float(v) for k, v in counts.items()} | {"generate_s": ro.seconds}
+    rewards_QW = ro.rewards_QW.double()
+    sums = [
+        float(rewards_QW.sum()),
+        float((rewards_QW**2).sum()),
+        float(rewards_QW.numel()),
+        float(ro.num_verify_steps),
+    ]
+    extra = [float(a) for a in ro.accepted_at] + [float(v) for v in counts.values()]
+    t = torch.tensor(sums + extra, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     seconds = torch.tensor([ro.seconds], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    total, squares, count, steps, *accepted = t.tolist()
+    total, squares, count, steps, *rest = t.tolist()
+    accepted, summed = rest[: len(ro.accepted_at)], rest[len(ro.accepted_at) :]
     mean = total / max(count, 1.0)
     out = {"reward": mean, "reward_std": math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0))}
     out.update({f"accept_{j + 1}": a / max(steps, 1.0) for j, a in enumerate(accepted)})
+    out.update(zip(counts, summed, strict=True))
     return out | {"generate_s": float(seconds.item())}

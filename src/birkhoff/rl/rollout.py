@@ -1,11 +1,14 @@
-"""Rollouts: sample G completions per prompt from the engine, score them, build the train batch.
+"""Rollouts: sample W completions per prompt from the engine, score them, build the train batch.
 
-Legend: N prompts, G group size, B = N*G completions, T tokens.
+Legend: Q prompts, W group size, B = Q*W completions, T tokens.
 
 The batch keeps the engine's per-token logprobs (the behaviour policy, sampled at temperature
 `RLConfig.temperature` with no top-k/top-p, so they are the policy's own logprobs at T=1) and the
 `weight_version` of every completion; the trainer checks staleness against them before each
-update. Token positions follow the label convention of model/mtp.py: `completion_mask[j]` and
+update. Generation stops at the tokenizer's stop ids and the task's stop strings (`Task.stop`);
+the reward scores the completion's text (ending with its stop string, engine/stop.py); a
+guarded user verifier's errors and timeouts during the rollout are counted (`verifier_counts`).
+Token positions follow the label convention of model/mtp.py: `completion_mask[j]` and
 `rollout_logp[j]` describe token j, which the model predicts at position j-1.
 """
 
@@ -20,6 +23,7 @@ from torch import Tensor
 
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.decode import Completion
+from birkhoff.engine.stop import Detokenize
 from birkhoff.rl.config import RLConfig
 from birkhoff.tasks.batches import prompt_ids
 from birkhoff.tasks.problems import Problem, Task
@@ -31,12 +35,13 @@ class StaleRolloutError(ValueError):
 
 
 class Rollout(NamedTuple):
-    prompts: list[list[int]]  # B = N*G, each problem's prompt repeated G times (grouped)
+    prompts: list[list[int]]  # B = Q*W, each problem's prompt repeated W times (grouped)
     completions: list[Completion]
-    rewards_NG: Tensor
+    rewards_QW: Tensor
     accepted_at: list[int]  # per draft position: verify steps that accepted it
     num_verify_steps: int
     seconds: float
+    verifier_counts: tuple[tuple[str, int], ...] = ()  # this rollout's verifier failures
 
     @property
     def acceptance(self) -> list[float]:
@@ -44,7 +49,7 @@ class Rollout(NamedTuple):
 
 
 class RLBatch(NamedTuple):
-    input_ids: Tensor  # [B,T] [bos] prompt completion, right-padded
+    input_ids: Tensor  # [B,T] framed prompt + completion, right-padded
     completion_mask: Tensor  # [B,T] True on completion tokens
     rollout_logp: Tensor  # [B,T] engine logprob of token j (0 off the completion)
     advantages: Tensor  # [B]
@@ -61,11 +66,14 @@ class RLBatch(NamedTuple):
 
 
 def generate_batched(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    detokenize: Detokenize | None = None,
 ) -> tuple[list[Completion], list[int], int]:
     """One engine.generate over all prompts (continuous batching fills max_batch_size rows);
     (completions, accepted_at, verify steps)."""
-    completions = engine.generate(prompts, params)
+    completions = engine.generate(prompts, params, detokenize=detokenize)
     stats = engine.last_stats
     if stats is None:
         return completions, [0] * params.num_speculative_tokens, 0
@@ -84,8 +92,8 @@ def rollout(
 ) -> Rollout:
     """Seeded completions scored by the task's verifiable reward.
 
-    Default: G samples per problem at the rollout temperature (a GRPO batch, rewards [N,G]).
-    `greedy=True`: one argmax completion per problem (evaluation, rewards [N,1]).
+    Default: W samples per problem at the rollout temperature (a GRPO batch, rewards [Q,W]).
+    `greedy=True`: one argmax completion per problem (evaluation, rewards [Q,1]).
     """
     start = time.perf_counter()
     per_problem = 1 if greedy else cfg.group_size
@@ -95,20 +103,29 @@ def rollout(
         cfg.max_new_tokens,
         temperature=0.0 if greedy else cfg.temperature,
         stop_token_ids=tokenizer.stop_ids,
+        stop=task.stop,
         seed=seed,
         num_speculative_tokens=cfg.num_speculative_tokens,
     )
-    completions, accepted_at, num_steps = generate_batched(engine, prompts, params)
-    rewards = [
-        task.reward(p, tokenizer.decode(c.tokens))
-        for p, c in zip(grouped, completions, strict=True)
-    ]
-    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
+    completions, accepted_at, num_steps = generate_batched(
+        engine, prompts, params, tokenizer.decode
+    )
+    before = task_counts(task)
+    rewards = [task.reward(p, c.text or "") for p, c in zip(grouped, completions, strict=True)]
+    counts = tuple((k, v - before[k]) for k, v in task_counts(task).items())
+    rewards_QW = torch.tensor(rewards, dtype=torch.float32).view(len(problems), per_problem)
     seconds = time.perf_counter() - start
-    return Rollout(prompts, completions, rewards_NG, accepted_at, num_steps, seconds)
+    return Rollout(prompts, completions, rewards_QW, accepted_at, num_steps, seconds, counts)
 
 
-def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> RLBatch:
+def task_counts(task: Task) -> dict[str, int]:
+    """A task's verifier calls / errors / timeouts so far, for tasks scored by a guarded user
+    verifier (tasks/guard.py: `counts()`), else {}."""
+    counts = getattr(task, "counts", None)
+    return {} if counts is None else dict(counts())
+
+
+def build_rl_batch(rollout: Rollout, advantages_QW: Tensor, *, pad_id: int) -> RLBatch:
     """Right-padded [B,T] prompt+completion ids with the completion mask and rollout logprobs."""
     rows = [p + c.tokens for p, c in zip(rollout.prompts, rollout.completions, strict=True)]
     T = max(len(r) for r in rows)
@@ -122,7 +139,7 @@ def build_rl_batch(rollout: Rollout, advantages_NG: Tensor, *, pad_id: int) -> R
         mask_BT[b, lo:hi] = True
         logp_BT[b, lo:hi] = torch.tensor(comp.logprobs, dtype=torch.float32)
     versions = [c.weight_version for c in rollout.completions]
-    return RLBatch(ids_BT, mask_BT, logp_BT, advantages_NG.flatten().float(), versions)
+    return RLBatch(ids_BT, mask_BT, logp_BT, advantages_QW.flatten().float(), versions)
 
 
 def check_staleness(versions: Sequence[int], trainer_version: int, max_staleness: int) -> None:

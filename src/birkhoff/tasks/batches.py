@@ -3,7 +3,10 @@
 Legend: B batch, T tokens.
 
 Sequence layout (shared by supervised training, generation and RL):
-    [bos] prompt answer [eos] [pad ...]      ([bos] only when the tokenizer has one)
+    prompt answer [eos] [pad ...]
+where `prompt` is `tokenizer.encode_prompt(problem.prompt)`: the prompt text with the special
+tokens of the tokenizer's own convention (CharTokenizer: a BOS; a HuggingFace tokenizer: what its
+post-processor adds, or its chat template's markers). Nothing here adds a BOS by itself.
 `build_supervised_batch` right-pads to [B,T] and sets `loss_mask` on the answer tokens and the
 EOS only. The mask is aligned with the *target positions* of `labels` = input ids, the convention
 of birkhoff/model/mtp.py: mask[j] says whether token j is something to learn, and the model shifts
@@ -28,14 +31,8 @@ from birkhoff.tokenizer import Tokenizer
 
 
 def prompt_ids(problem: Problem, tokenizer: Tokenizer) -> list[int]:
-    """[bos] + prompt: what a generator is conditioned on."""
-    return text_prompt_ids(problem.prompt, tokenizer)
-
-
-def text_prompt_ids(text: str, tokenizer: Tokenizer) -> list[int]:
-    """[bos] + the ids of `text` (no BOS when the tokenizer has none, as Qwen's)."""
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    return [*bos, *tokenizer.encode(text)]
+    """The prompt's ids as the tokenizer frames a prompt: what a generator is conditioned on."""
+    return tokenizer.encode_prompt(problem.prompt)
 
 
 class SupervisedBatch(NamedTuple):
@@ -57,7 +54,7 @@ class SupervisedBatch(NamedTuple):
 
 
 def build_supervised_batch(problems: Sequence[Problem], tokenizer: Tokenizer) -> SupervisedBatch:
-    """Token ids of [bos] prompt answer [eos], right-padded to the longest, and the answer mask."""
+    """Token ids of prompt answer [eos], right-padded to the longest, and the answer mask."""
     if not problems:
         raise ValueError("problems is empty: need at least one problem for a batch")
     rows, masks = [], []

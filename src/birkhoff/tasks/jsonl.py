@@ -21,7 +21,7 @@ import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from birkhoff.tasks.problems import Problem
 from birkhoff.tasks.verifiers import Verifier, get_verifier
@@ -32,9 +32,13 @@ MAX_ERRORS = 20
 class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
 
 class JsonlTask:
     """Problems of one split of a JSONL file, scored by a verifier."""
+
+    stop: tuple[str, ...] = ()
 
     def __init__(self, name: str, problems: Sequence[Problem], verifier: Verifier) -> None:
         if not problems:
@@ -50,6 +54,11 @@ class JsonlTask:
     def max_length(self) -> int:
         """Longest prompt + answer in characters."""
         return max(len(p.prompt) + len(p.answer) for p in self.problems)
+
+    def counts(self) -> dict[str, int]:
+        """The guarded verifier's calls, errors and timeouts so far (guard.py); {} for others."""
+        counts = getattr(self.verifier, "counts", None)
+        return {} if counts is None else counts()
 
 
 class JsonlSplits(NamedTuple):
@@ -111,10 +120,13 @@ def read_problems(
 
 
 def check_encodable(problem: Problem, tokenizer: Encoder, max_seq_len: int | None) -> None:
-    """Both texts encode, and [bos] prompt answer [eos] fits max_seq_len."""
-    num_tokens = 2 + len(tokenizer.encode(problem.prompt)) + len(tokenizer.encode(problem.answer))
+    """Both texts encode, and prompt (as the tokenizer frames it) answer [eos] fits max_seq_len."""
+    prompt = tokenizer.encode_prompt(problem.prompt)
+    num_tokens = len(prompt) + len(tokenizer.encode(problem.answer)) + 1
     if max_seq_len is not None and num_tokens > max_seq_len:
-        raise ValueError(f"{num_tokens} tokens with bos/eos > max_seq_len={max_seq_len}")
+        raise ValueError(
+            f"{num_tokens} tokens (framed prompt, answer, eos) > max_seq_len={max_seq_len}"
+        )
 
 
 def split_problems(
@@ -142,12 +154,14 @@ def load_jsonl_tasks(
     seed: int = 0,
     tokenizer: Encoder | None = None,
     max_seq_len: int | None = None,
+    **guard: Any,
 ) -> JsonlSplits:
     """Train and held-out tasks from JSONL file(s), every line checked before returning.
 
-    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits.
+    `tokenizer` / `max_seq_len`, when given, also check that every line encodes and fits;
+    `guard` sets a user verifier's timeout and failure limits (guard.GuardedVerifier).
     """
-    check = get_verifier(verifier)
+    check = get_verifier(verifier, **guard)
 
     def read(file: str | os.PathLike[str]) -> list[Problem]:
         return read_problems(Path(file), check, tokenizer=tokenizer, max_seq_len=max_seq_len)

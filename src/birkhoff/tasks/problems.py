@@ -1,21 +1,24 @@
 """Verifiable tasks generated in code, their rewards, and the seed streams a run draws from.
 
 A task samples `Problem(prompt, answer)` pairs from a seeded `random.Random` and scores a
-completion with a verifiable reward:
+completion with a verifiable reward. The tasks here (addition, sorting) use exact match:
     reward = 1.0 if completion == answer else 0.0
 where `completion` is the text the model produced before its EOS (`CharTokenizer.decode` stops
 at the first EOS). Exact match only: no partial credit, no whitespace stripping, so the reward
-cannot be gamed by padding an answer.
+cannot be gamed by padding an answer. Tasks with free-text answers (countdown.py,
+arithmetic.py) read the answer out of the text (answers.py) and name their stop strings
+(`Task.stop`); `TASKS` registers them all.
 
 Design choices: operands of `AdditionTask` have 1..num_digits digits (uniform value in
 [0, 10^num_digits)), the answer is written most-significant digit first, as people write it.
-`SortingTask` sorts characters by code point (digits before letters). Left out: chain-of-thought
-formats, reversed answers, tasks needing text outside the tokenizer's vocabulary.
+`SortingTask` sorts characters by code point (digits before letters). Left out: reversed
+answers.
 
 Seeds: every random choice of a run is a function of (seed, step), defined here once:
 `step_rng(seed, step)` draws a step's problems, `held_out_rng(seed)` the evaluation problems (a
-string stream no integer step can reach), and `sampling_seed(seed, step)` seeds a step's
-generation.
+string stream no integer step can reach: the held-out split is a seed stream, so a generated
+problem may occur in both when the task space is small), and `sampling_seed(seed, step)` seeds
+a step's generation.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Problem(NamedTuple):
 
 class Task(Protocol):
     name: str
+    stop: tuple[str, ...]  # stop strings of its completions (e.g. "</answer>"); () for none
 
     def sample(self, rng: random.Random) -> Problem: ...
 
@@ -49,6 +53,7 @@ class AdditionTask:
     """'a+b=' -> str(a+b), with a, b uniform in [0, 10^num_digits)."""
 
     name = "addition"
+    stop: tuple[str, ...] = ()
 
     def __init__(self, num_digits: int = 3) -> None:
         if not isinstance(num_digits, int) or not 1 <= num_digits <= 18:
@@ -72,6 +77,7 @@ class SortingTask:
     """'sort:dbca=' -> 'abcd': sort `length` characters drawn from `alphabet` (repeats allowed)."""
 
     name = "sorting"
+    stop: tuple[str, ...] = ()
 
     def __init__(self, length: int = 6, alphabet: str = "abcdefghijklmnopqrstuvwxyz") -> None:
         if not isinstance(length, int) or not 1 <= length <= 64:
@@ -92,15 +98,35 @@ class SortingTask:
         return len("sort:=") + 2 * self.length
 
 
-TASKS: dict[str, Callable[..., Task]] = {"addition": AdditionTask, "sorting": SortingTask}
+def countdown_task(**options: object) -> Task:
+    from birkhoff.tasks.countdown import CountdownTask  # imports this module
+
+    return CountdownTask(**options)  # type: ignore[arg-type]
+
+
+def arithmetic_words_task(**options: object) -> Task:
+    from birkhoff.tasks.arithmetic import ArithmeticWordsTask  # imports this module
+
+    return ArithmeticWordsTask(**options)  # type: ignore[arg-type]
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "addition": AdditionTask,
+    "sorting": SortingTask,
+    "countdown": countdown_task,
+    "arithmetic-words": arithmetic_words_task,
+}
 
 
 def get_task(name: str, **kwargs: object) -> Task:
-    """A task by registry name; unknown names raise ValueError listing the valid ones."""
+    """A task by registry name; unknown names and options raise ValueError naming them."""
     factory = TASKS.get(name)
     if factory is None:
         raise ValueError(f"task={name!r} is unknown; valid tasks: {sorted(TASKS)}")
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except TypeError as err:  # an option the task does not take
+        raise ValueError(f"task={name!r}: bad options {sorted(kwargs)} ({err})") from err
 
 
 def sample_problems(task: Task, rng: random.Random, num_problems: int) -> list[Problem]:

@@ -4,6 +4,10 @@ A verifier is built from a spec string (`get_verifier`):
     "exact"            1.0 iff normalise(completion) == normalise(answer)
     "numeric"          1.0 iff both parse as numbers and are close (rel 1e-6, abs 1e-9)
     "numeric:TOL"      the same with absolute tolerance TOL (relative 0)
+    "answer"           free text: the answer read out of it (answers.py: <answer> tag, then
+                       \\boxed{}, then the last number) equals the reference's, exactly, as numbers
+    "countdown"        free text: the answer is a Countdown expression of the reference
+                       expression's numbers, each exactly once, with its value (countdown.py)
     "module:function"  any Python callable fn(problem, completion) -> float | bool
 Each verifier also checks reference answers up front (`check_answer`), so a data file with an
 answer the verifier can never match fails at load time, with its line number, not mid-training.
@@ -16,7 +20,10 @@ Design choices:
   never "the last number in the text": a completion that appends other numbers gets no credit.
   Non-finite numbers never match.
 - A user function's return value must be a bool or a finite number; anything else raises
-  ValueError naming the function, so a broken verifier cannot silently give zero reward.
+  ValueError naming the function. User functions run guarded (guard.py): a per-call timeout,
+  an exception or timeout scores 0 and is counted and logged, and a failure rate over the limit
+  stops the run, so a broken verifier can neither silently give zero reward nor take a run
+  down on one bad completion.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from birkhoff.tasks import countdown
+from birkhoff.tasks.answers import numeric_answer
+from birkhoff.tasks.guard import GuardedVerifier
 from birkhoff.tasks.problems import Problem
 
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -86,6 +96,35 @@ class NumericMatch:
         return 1.0 if math.isclose(value, ref, rel_tol=self.rel_tol, abs_tol=self.abs_tol) else 0.0
 
 
+class FreeTextAnswer:
+    """The number read out of a free-text completion equals the reference's (exact)."""
+
+    name = "answer"
+
+    def check_answer(self, answer: str) -> None:
+        if numeric_answer(answer) is None:
+            raise ValueError(f"answer {answer!r} holds no number (answer verifier)")
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        value = numeric_answer(completion)
+        return 1.0 if value is not None and value == numeric_answer(problem.answer) else 0.0
+
+
+class CountdownAnswer:
+    """The completion's expression solves the instance of the reference expression."""
+
+    name = "countdown"
+
+    def check_answer(self, answer: str) -> None:
+        try:
+            countdown.reference(answer)
+        except countdown.ExpressionError as err:
+            raise ValueError(f"answer {answer!r} is not a Countdown expression ({err})") from err
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        return countdown.countdown_reward(problem, completion)
+
+
 class PythonVerifier:
     """A user function fn(problem, completion) -> bool | float, named "module:function"."""
 
@@ -120,15 +159,21 @@ def load_function(spec: str) -> Callable[[Problem, str], object]:
     return fn
 
 
-VERIFIERS = ("exact", "numeric", "numeric:TOL", "module:function")
+VERIFIERS = ("exact", "numeric", "numeric:TOL", "answer", "countdown", "module:function")
 
 
-def get_verifier(spec: str) -> Verifier:
-    """A verifier from its spec string; unknown specs raise ValueError listing the valid forms."""
+def get_verifier(spec: str, **guard: Any) -> Verifier:
+    """A verifier from its spec string; unknown specs raise ValueError listing the valid forms.
+    A user function runs guarded (guard.py; `guard`: GuardedVerifier's timeout_s,
+    max_failure_rate, min_calls)."""
     if spec == "exact":
         return ExactMatch()
     if spec == "numeric":
         return NumericMatch()
+    if spec == "answer":
+        return FreeTextAnswer()
+    if spec == "countdown":
+        return CountdownAnswer()
     if spec.startswith("numeric:"):
         try:
             tol = float(spec.removeprefix("numeric:"))
@@ -136,5 +181,5 @@ def get_verifier(spec: str) -> Verifier:
             raise ValueError(f"verifier={spec!r}: tolerance is not a number") from err
         return NumericMatch(rel_tol=0.0, abs_tol=tol)
     if re.fullmatch(r"[\w.]+:\w+", spec):
-        return PythonVerifier(spec, load_function(spec))
+        return GuardedVerifier(PythonVerifier(spec, load_function(spec)), **guard)
     raise ValueError(f"verifier={spec!r} is unknown; valid: {list(VERIFIERS)}")

@@ -58,8 +58,8 @@ from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model.transformer import check_token_ids, token_values_unchecked
+from birkhoff.runtime.distributed import world_size
 from birkhoff.train.config import TrainConfig
-from birkhoff.train.distributed import world_size
 from birkhoff.train.step import LossFn, Metrics, forward_context, model_device
 
 LENGTH_BUCKET = 64  # the supervised loop pads T to a multiple of this (train/loop.py)

@@ -5,16 +5,17 @@ Design choices:
   (`batch_for_step`), one `train_step` at the lr of that step, and one metrics row. It is a
   generator, so each caller decides what happens between steps: `run_training` logs every
   `log_every` steps, the GRPO run logs every step, evaluates, refits and checkpoints. The run is a
-  function of the preset and the seed (deterministic on CPU).
+  function of (ModelConfig, TrainConfig, Task) and the seed (deterministic on CPU); presets are
+  the command line's business (birkhoff.cli), not this loop's.
 - Evaluation here is teacher-forced (`teacher_forced_accuracy`): one forward pass over held-out
   problems, no generation; a sequence counts when the argmax at every answer position is right,
   which is exactly greedy decoding's exact match. The GRPO run's `evaluate_generated` generates
   with the engine instead.
-- The final checkpoint goes to `out_dir/checkpoint` (atomic, see checkpoint.py; sharded, see
-  dcp.py, when launched by torchrun).
+- The final checkpoint goes to `out_dir/checkpoint` (atomic, birkhoff.runtime.checkpoint;
+  sharded, birkhoff.runtime.dcp, when launched by torchrun).
 - `TrainConfig.cuda_graph`: each step's forward + backward replays a CUDA graph
   (train/graph.py), batches right-padded to a bucket of lengths (`SupervisedBatch.padded`).
-- Under torchrun (birkhoff.train.distributed) the model is sharded with FSDP2 and every rank
+- Under torchrun (birkhoff.runtime.distributed) the model is sharded with FSDP2 and every rank
   trains on its contiguous share of the rows of the step's global batch; rank 0 writes the log.
 Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
 """
@@ -30,14 +31,9 @@ import torch
 from torch import nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.presets import Preset
-from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
-from birkhoff.tasks.problems import Problem, Task, get_task, held_out_rng, sample_problems
-from birkhoff.tokenizer import CharTokenizer, Tokenizer
-from birkhoff.train.checkpoint import save_checkpoint
-from birkhoff.train.config import TrainConfig
-from birkhoff.train.dcp import save_sharded
-from birkhoff.train.distributed import (
+from birkhoff.runtime.checkpoint import save_checkpoint
+from birkhoff.runtime.dcp import save_sharded
+from birkhoff.runtime.distributed import (
     check_world_size,
     current,
     rank_share,
@@ -45,10 +41,14 @@ from birkhoff.train.distributed import (
     shard_model,
     take_rows,
 )
+from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
+from birkhoff.runtime.progress import Progress
+from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
+from birkhoff.tasks.problems import Problem, Task, held_out_rng, sample_problems
+from birkhoff.tokenizer import CharTokenizer, Tokenizer
+from birkhoff.train.config import TrainConfig
 from birkhoff.train.graph import StepGraphs, bucketed_length
-from birkhoff.train.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.train.optim import build_optimizer
-from birkhoff.train.progress import Progress
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import answer_accuracy, model_device, supervised_loss, train_step
 
@@ -103,14 +103,23 @@ def teacher_forced_accuracy(
 
 
 def run_training(
-    preset: Preset, out_dir: Path, *, device: torch.device, progress: bool = True
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    task: Task,
+    out_dir: Path,
+    *,
+    device: torch.device,
+    progress: bool = True,
+    name: str = "train",
+    extra: dict[str, Any] | None = None,
 ) -> TrainSummary:
-    """Train `preset` on its task; write metrics.jsonl and checkpoint/ under `out_dir`."""
-    cfg, ctx = preset.train, current()
+    """Train a fresh `model_cfg` model on `task`; write metrics.jsonl and checkpoint/ under
+    `out_dir`. `name` labels the progress bar; `extra` goes into the checkpoint's metadata."""
+    ctx = current()
     check_world_size(ctx.world_size, cfg.batch_size, "batch_size")
-    tokenizer, task = CharTokenizer(), get_task(preset.task, **preset.task_options)
+    tokenizer = CharTokenizer()
     torch.manual_seed(cfg.seed)
-    model = build_model(preset.model, cfg, device=device)
+    model = build_model(model_cfg, cfg, device=device)
     if ctx.enabled:
         shard_model(model, device_type=device.type, amp_dtype=cfg.amp_dtype)
     optimizer = build_optimizer(model, cfg)
@@ -121,7 +130,7 @@ def run_training(
     log, history, start = MetricsLog(out_dir / "metrics.jsonl"), [], time.perf_counter()
     rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
     enabled = progress and ctx.is_main
-    with Progress(total=cfg.num_steps, desc=f"train {preset.name}", enabled=enabled) as bar:
+    with Progress(total=cfg.num_steps, desc=f"train {name}", enabled=enabled) as bar:
         for row in rows:
             history.append(row)
             step = row["step"]
@@ -130,10 +139,9 @@ def run_training(
             bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
                         if k in row})  # fmt: skip
     eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
-    extra = {"preset": preset.name, "task": preset.task, "task_options": preset.task_options,
-             "seed": cfg.seed, "eval_exact_match": eval_after}  # fmt: skip
+    meta = {**(extra or {}), "seed": cfg.seed, "eval_exact_match": eval_after}
     save = save_sharded if ctx.enabled else save_checkpoint
-    path = save(out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=extra)
+    path = save(out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=meta)
     return TrainSummary(history, eval_before, eval_after, path)
 
 

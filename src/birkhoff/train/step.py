@@ -21,7 +21,7 @@ Design choices:
   parallel the load is first summed over ranks, so every rank's biases stay equal.
 - A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
   changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
-- Data parallel (FSDP2, birkhoff.train.distributed): the loss function returns this rank's
+- Data parallel (FSDP2, birkhoff.runtime.distributed): the loss function returns this rank's
   share of the global token mean, FSDP2 averages gradients over ranks, so the loss is
   backpropagated times the world size; the reported `loss` is the sum of the shares (the global
   loss) and every other metric the mean of the ranks' values (token-mean losses are reported
@@ -44,8 +44,8 @@ from birkhoff.config import ModelConfig
 from birkhoff.model.moe import load_metrics, moe_layers, update_router_bias
 from birkhoff.model.mtp import combine_losses, shift_targets
 from birkhoff.recompute import track_saved_storages
+from birkhoff.runtime.distributed import global_share, global_sum, reduce_floats, world_size
 from birkhoff.train.config import TrainConfig
-from birkhoff.train.distributed import global_share, global_sum, reduce_floats, world_size
 from birkhoff.train.optim import lr_at, set_lr
 
 Metrics = dict[str, float | Tensor]

@@ -2,8 +2,8 @@
 
 The module imports nothing heavy at the top (argparse and pathlib only), so building the
 `birkhoff` parser stays fast; torch and the converters load when a command runs. User errors
-raise ValueError (an existing --out without --overwrite, a bad checkpoint); birkhoff/cli.py
-prints them as one line with exit code 2.
+raise ValueError (an existing --out without --overwrite, a bad checkpoint); `run` prints them
+as one line with exit code 2.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+
+from birkhoff.cli.common import UsageError
 
 
 def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
@@ -57,3 +59,12 @@ RUNS: dict[str, Callable[[argparse.Namespace], Path]] = {
     "import-hf": run_import_hf,
     "export-hf": run_export_hf,
 }
+
+
+def run(args: argparse.Namespace) -> int:
+    """`import-hf` / `export-hf`; errors exit with code 2."""
+    try:
+        print(RUNS[args.command](args))
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from birkhoff.train.checkpoint import atomic_write_bytes
+from birkhoff.runtime.checkpoint import atomic_write_bytes
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -65,8 +65,10 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def truncate_after(self, step: int) -> None:
-        """Keep rows with step <= `step` (a resumed run rewrites what follows)."""
-        kept = [r for r in self.rows() if r["step"] <= step]
+        """Keep the rows of the first `step` steps, which a checkpoint at `step` holds (a resumed
+        run rewrites what follows): train rows count from 0 (the row of step k is the (k+1)-th
+        step), eval rows count steps completed."""
+        kept = [r for r in self.rows() if r["step"] < step + (r.get("phase") == "eval")]
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
         atomic_write_bytes(self.path, text.encode())
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 
-import birkhoff.train.dcp as dcp_module
+import birkhoff.runtime.dcp as dcp_module
 from birkhoff.cli import main
 from birkhoff.presets import tiny_cpu
+from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint
+from birkhoff.runtime.dcp import consolidate, load_sharded, read_sharded_meta, save_sharded
+from birkhoff.runtime.distributed import rank_share, shard_model, take_rows
 from birkhoff.tasks.batches import batch_for_step
 from birkhoff.tasks.problems import get_task
 from birkhoff.tokenizer import CharTokenizer
-from birkhoff.train.checkpoint import CheckpointError, load_checkpoint
-from birkhoff.train.dcp import consolidate, load_sharded, read_sharded_meta, save_sharded
-from birkhoff.train.distributed import rank_share, shard_model, take_rows
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import train_step

@@ -2,7 +2,7 @@
 
 import io
 
-from birkhoff.train.progress import Progress
+from birkhoff.runtime.progress import Progress
 
 
 class Clock:

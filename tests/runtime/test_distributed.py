@@ -17,11 +17,11 @@ from birkhoff.recompute import last_registry
 from birkhoff.recompute.registry import storage_key
 from birkhoff.rl.loop import grpo_loss_fn
 from birkhoff.rl.rollout import RLBatch
+from birkhoff.runtime import distributed
+from birkhoff.runtime.distributed import rank_share, shard_model, take_rows
 from birkhoff.tasks.batches import batch_for_step
 from birkhoff.tasks.problems import get_task
 from birkhoff.tokenizer import CharTokenizer
-from birkhoff.train import distributed
-from birkhoff.train.distributed import rank_share, shard_model, take_rows
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
 from birkhoff.train.step import train_step

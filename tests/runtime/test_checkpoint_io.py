@@ -6,11 +6,7 @@ import torch
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
-from birkhoff.tasks.batches import batch_for_step
-from birkhoff.tasks.problems import AdditionTask
-from birkhoff.tokenizer import CharTokenizer
-from birkhoff.train import TrainConfig, build_optimizer, train_step
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -19,6 +15,10 @@ from birkhoff.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from birkhoff.tasks.batches import batch_for_step
+from birkhoff.tasks.problems import AdditionTask
+from birkhoff.tokenizer import CharTokenizer
+from birkhoff.train import TrainConfig, build_optimizer, train_step
 
 TRAIN = TrainConfig(lr=1e-3, warmup_steps=0)
 

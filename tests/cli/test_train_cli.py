@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from birkhoff.cli import main
-from birkhoff.train.checkpoint import load_checkpoint
+from birkhoff.runtime.checkpoint import load_checkpoint
 
 
 def test_train_writes_metrics_and_checkpoint(tmp_path, capsys):

@@ -6,7 +6,7 @@ A sharded checkpoint is a directory:
     config.json               ModelConfig.to_json()
     meta.json                 step, user `extra`, world size, format; written last
 Design choices:
-- Atomic as the single-file format (birkhoff.train.checkpoint): rank 0 makes a fresh temp
+- Atomic as the single-file format (birkhoff.runtime.checkpoint): rank 0 makes a fresh temp
   directory beside the target and broadcasts its name, every rank writes its shards there, and
   after a barrier rank 0 writes meta.json and renames the directory into place (moving an existing
   checkpoint aside first). A crash anywhere before the rename leaves the previous checkpoint
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from birkhoff.config import ModelConfig
 from birkhoff.model.transformer import Transformer
-from birkhoff.train.checkpoint import (
+from birkhoff.runtime.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
     capture_rng_state,

@@ -1,0 +1,109 @@
+"""What every subcommand shares: the one-line user error, the device, the output directory,
+the flags of the jobs that train and their torchrun set-up.
+
+A user error is a `UsageError`: birkhoff.cli.commands prints it as one line and exits with code 2
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A user error the CLI reports as one line with exit code 2."""
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine")
+    return name
+
+
+def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """Create `out` (if needed) and check it is writable and holds no previous run's outputs."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    clashes = [name for name in outputs if (out / name).exists()]
+    if clashes and not overwrite:
+        raise UsageError(f"--out {out}: already holds {clashes}; pass --overwrite to replace")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {out}: not writable ({err.strerror or err})") from err
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by the jobs that train (`train`, `run`)."""
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="torchrun only: nccl on cuda, gloo on cpu by default")  # fmt: skip
+
+
+def start_job(args: argparse.Namespace, config: Any, *, num_items: int, what: str) -> str:
+    """The device of this process; under torchrun, join the process group first.
+
+    Every check either runs alike on every rank (before the group exists) or is agreed on by
+    all ranks (the config and flags, compared by hash), so a bad launch never hangs.
+    """
+    from birkhoff.runtime import distributed
+
+    device = resolve_device(args.device)
+    if not distributed.launched_by_torchrun():
+        if args.backend != "auto":
+            raise UsageError(f"--backend {args.backend}: only for runs launched by torchrun")
+        return device
+    try:
+        distributed.resolve_backend(device, args.backend)
+        distributed.check_world_size(int(os.environ["WORLD_SIZE"]), num_items, what)
+        ctx = distributed.init_distributed(device, args.backend)
+        flags = {k: str(v) for k, v in sorted(vars(args).items()) if not callable(v)}
+        distributed.check_same_config(repr(config) + repr(flags))
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return str(ctx.device)
+
+
+def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+    """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
+    from birkhoff.runtime import distributed
+
+    error = None
+    if distributed.current().is_main:
+        try:
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+        except UsageError as err:
+            error = str(err)
+    try:
+        distributed.agree(error)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def is_main() -> bool:
+    from birkhoff.runtime.distributed import current
+
+    return current().is_main
+
+
+def set_threads(device: str, threads: int | None) -> None:
+    """torch's intra-op threads on CPU (`--threads`, else the preset's count, else torch's)."""
+    import torch
+
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
