@@ -95,8 +95,16 @@ def test_bf16_autocast_matches_the_unchunked_path_and_keeps_fp32_grads() -> None
 
 def tiny_model(*, tied: bool, vocab: int = 37, mtp: int = 2, streams: int = 2) -> Transformer:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab, dim=16, num_layers=1, num_heads=2, num_streams=streams,
-                      mtp_depth=mtp, tie_embeddings=tied, max_seq_len=64)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        dim=16,
+        num_layers=1,
+        num_heads=2,
+        num_streams=streams,
+        mtp_depth=mtp,
+        tie_embeddings=tied,
+        max_seq_len=64,
+    )
     return Transformer(cfg).double()
 
 

@@ -1,8 +1,8 @@
 """Token log-probabilities through the lm_head, chunked over tokens: the [B,T,V] logits of a batch
 never exist at once, in forward or backward.
 
-Legend: B batch, T tokens, D model dim, V vocab; Q = B*T positions flattened, U positions of a
-chunk.
+Legend: B batch, T tokens, D model dim, V vocab; X positions of the batch flattened
+(B*T), U positions of a chunk.
 
     z = (h W^T) / temperature,   logp = z[target] - logsumexp(z),   argmax = argmax(z)
 
@@ -110,11 +110,11 @@ def token_logprobs(
     if chunk < 1:
         raise ValueError(f"chunk_tokens={chunk} is invalid: must be >= 1")
     lead = targets_BT.shape
-    h_QD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])  # Q = B*T positions
-    logp_Q, argmax_Q = _ChunkedLogprobs.apply(
-        h_QD, weight_VD, targets_BT.reshape(-1).long(), temperature, chunk, dtype
+    h_XD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])  # X = B*T positions
+    logp_X, argmax_X = _ChunkedLogprobs.apply(
+        h_XD, weight_VD, targets_BT.reshape(-1).long(), temperature, chunk, dtype
     )
-    return HeadScores(logp_Q.view(lead), argmax_Q.view(lead))
+    return HeadScores(logp_X.view(lead), argmax_X.view(lead))
 
 
 def unchunked_logprobs(
@@ -139,58 +139,58 @@ def _chunk_logits(h_UD: Tensor, w_VD: Tensor, dtype: torch.dtype, temperature: f
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(logp [Q], argmax [Q]) of positions h [Q,D]; see the module docstring."""
+    """(logp [X], argmax [X]) of positions h [X,D]; see the module docstring."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        h_QD: Tensor,
+        h_XD: Tensor,
         weight_VD: Tensor,
-        targets_Q: Tensor,
+        targets_X: Tensor,
         temperature: float,
         chunk: int,
         dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
-        Q, acc = h_QD.shape[0], torch.promote_types(dtype, torch.float32)
-        logp_Q = h_QD.new_empty(Q, dtype=acc)
-        lse_Q = torch.empty_like(logp_Q)
-        argmax_Q = torch.empty(Q, dtype=torch.long, device=h_QD.device)
-        with torch.autocast(h_QD.device.type, enabled=False):
+        X, acc = h_XD.shape[0], torch.promote_types(dtype, torch.float32)
+        logp_X = h_XD.new_empty(X, dtype=acc)
+        lse_X = torch.empty_like(logp_X)
+        argmax_X = torch.empty(X, dtype=torch.long, device=h_XD.device)
+        with torch.autocast(h_XD.device.type, enabled=False):
             w_VD = weight_VD.to(dtype)
-            for s in range(0, Q, chunk):
-                z_UV = _chunk_logits(h_QD[s : s + chunk], w_VD, dtype, temperature)
+            for s in range(0, X, chunk):
+                z_UV = _chunk_logits(h_XD[s : s + chunk], w_VD, dtype, temperature)
                 lse_U = torch.logsumexp(z_UV, dim=-1)
-                target_U = z_UV.gather(-1, targets_Q[s : s + chunk, None]).squeeze(-1)
-                logp_Q[s : s + chunk] = target_U - lse_U
-                lse_Q[s : s + chunk] = lse_U
-                argmax_Q[s : s + chunk] = z_UV.argmax(dim=-1)
-        ctx.save_for_backward(h_QD, weight_VD, targets_Q, lse_Q)
+                target_U = z_UV.gather(-1, targets_X[s : s + chunk, None]).squeeze(-1)
+                logp_X[s : s + chunk] = target_U - lse_U
+                lse_X[s : s + chunk] = lse_U
+                argmax_X[s : s + chunk] = z_UV.argmax(dim=-1)
+        ctx.save_for_backward(h_XD, weight_VD, targets_X, lse_X)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
-        ctx.mark_non_differentiable(argmax_Q)
-        return logp_Q, argmax_Q
+        ctx.mark_non_differentiable(argmax_X)
+        return logp_X, argmax_X
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_logp_Q: Tensor, _grad_argmax: Tensor | None
+        ctx: Any, grad_logp_X: Tensor, _grad_argmax: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        h_QD, weight_VD, targets_Q, lse_Q = ctx.saved_tensors
+        h_XD, weight_VD, targets_X, lse_X = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         need_h, need_w = ctx.needs_input_grad[:2]
         acc = torch.promote_types(dtype, torch.float32)
-        grad_h_QD = torch.empty_like(h_QD) if need_h else None
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=h_QD.device) if need_w else None
-        g_Q1 = (grad_logp_Q.to(acc) / t)[:, None]
-        with torch.autocast(h_QD.device.type, enabled=False):
+        grad_h_XD = torch.empty_like(h_XD) if need_h else None
+        grad_w_VD = torch.zeros(weight_VD.shape, dtype=acc, device=h_XD.device) if need_w else None
+        g_X1 = (grad_logp_X.to(acc) / t)[:, None]
+        with torch.autocast(h_XD.device.type, enabled=False):
             w_VD = weight_VD.to(dtype)
-            for s in range(0, h_QD.shape[0], chunk):
-                h_UD = h_QD[s : s + chunk].to(dtype)
+            for s in range(0, h_XD.shape[0], chunk):
+                h_UD = h_XD[s : s + chunk].to(dtype)
                 # dlogp/dz = onehot(target) - softmax(z), times 1/t through z = x / t
                 z_UV = _chunk_logits(h_UD, w_VD, dtype, t)
-                g_UV = z_UV.sub_(lse_Q[s : s + chunk, None]).exp_().mul_(-g_Q1[s : s + chunk])
-                g_UV = g_UV.scatter_add_(-1, targets_Q[s : s + chunk, None], g_Q1[s : s + chunk])
+                g_UV = z_UV.sub_(lse_X[s : s + chunk, None]).exp_().mul_(-g_X1[s : s + chunk])
+                g_UV = g_UV.scatter_add_(-1, targets_X[s : s + chunk, None], g_X1[s : s + chunk])
                 g_UV = g_UV.to(dtype)
-                if grad_h_QD is not None:
-                    grad_h_QD[s : s + chunk] = g_UV @ w_VD
+                if grad_h_XD is not None:
+                    grad_h_XD[s : s + chunk] = g_UV @ w_VD
                 if grad_w_VD is None:
                     continue
                 if dtype == acc:
@@ -198,4 +198,4 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 else:  # a chunk's sum in `dtype`, the sum over chunks in fp32
                     grad_w_VD += (g_UV.T @ h_UD).to(acc)
         grad_w = None if grad_w_VD is None else grad_w_VD.to(weight_VD.dtype)
-        return grad_h_QD, grad_w, None, None, None, None
+        return grad_h_XD, grad_w, None, None, None, None

@@ -136,9 +136,13 @@ class Transformer(nn.Module):
         return outs
 
     def forward(
-        self, input_ids: Tensor, labels: Tensor | None = None, loss_mask: Tensor | None = None,
-        *, temperature: float = 1.0,
-    ) -> TransformerOutput:  # fmt: skip
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+    ) -> TransformerOutput:
         cfg = self.cfg
         check_token_ids(
             input_ids, name="input_ids", vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len
