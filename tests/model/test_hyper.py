@@ -186,12 +186,17 @@ def test_kernels_switch_is_validated() -> None:
 
 def test_config_fields_reach_the_hyper_connection_and_are_validated() -> None:
     from birkhoff.config import ModelConfig
-    from birkhoff.model.hyper import build_hyper_connection
+    from birkhoff.model.hyper import StreamContraction, apply_kernels, build_hyper_connection
+    from birkhoff.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2, mhc_eps=1e-5)
-    hc = build_hyper_connection(cfg.replace(mhc_kernels="eager"), home=0)
-    assert isinstance(hc, HyperConnection) and (hc.eps, hc.kernels) == (1e-5, "eager")
+    hc = build_hyper_connection(cfg, home=0)
+    assert isinstance(hc, HyperConnection) and (hc.eps, hc.kernels) == (1e-5, "auto")
     with pytest.raises(ValueError, match="mhc_eps=0"):
         cfg.replace(mhc_eps=0)
-    with pytest.raises(ValueError, match="mhc_kernels='cuda'"):
-        cfg.replace(mhc_kernels="cuda")
+    # the kernel choice is applied from outside, to every hyper-connection and contraction
+    model = apply_kernels(Transformer(cfg), "eager")
+    mhc = [m for m in model.modules() if isinstance(m, HyperConnection | StreamContraction)]
+    assert len(mhc) == 2 * 2 + 2 and all(m.kernels == "eager" for m in mhc)
+    with pytest.raises(ValueError, match="kernels='cuda'"):
+        apply_kernels(model, "cuda")  # type: ignore[arg-type]

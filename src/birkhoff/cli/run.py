@@ -42,12 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """What the run reads: a start checkpoint, a JSONL task (birkhoff.rl.inputs)."""
+    """What the run reads: a start checkpoint, a JSONL or generated task (birkhoff.rl.inputs)."""
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
     parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
+    parser.add_argument("--task", default=None,
+                        help="a generated task instead of the preset's: addition | sorting | "
+                        "countdown | arithmetic-words")  # fmt: skip
 
 
 def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
@@ -56,7 +59,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
 
     return run_inputs(preset_from_args(args), init=args.init, data=args.data,
                       verifier=args.verifier, eval_data=args.eval_data,
-                      max_new_tokens=args.max_new_tokens)  # fmt: skip
+                      max_new_tokens=args.max_new_tokens, task=args.task)  # fmt: skip
 
 
 def preset_from_args(args: argparse.Namespace) -> Preset:
@@ -105,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
             grpo.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+    from birkhoff.tasks.guard import VerifierFailureError
+
+    try:
+        grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+    except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
+        raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         for line in run_summary(grpo.log.rows(), out):

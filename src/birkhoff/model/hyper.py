@@ -2,48 +2,44 @@
 
 Legend: B batch, T tokens, S streams, D model dim, P = S*S + 2S coefficient logits.
 
-The residual is widened to S streams x_BTSD. Around each sublayer F (attention, MLP):
+Around each sublayer F the S residual streams mix as
     y_k = H_post[k] * F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j
-with per-token coefficients computed from the streams themselves:
-    x' = RMSNorm(flatten(x))                       (no weight: phi absorbs it)
-    [pre | post | res] = alpha * (x' @ phi^T) + bias   (one projection, P logits, this order)
-    H_pre = sigmoid(pre) + eps, H_post = 2 sigmoid(post), H_res = Sinkhorn(res as S x S)
-(DeepSeek-V4's published formulation; eps = 1e-6 = ModelConfig.mhc_eps).
-H_res is applied transposed (column k collects into stream k), as in the reference layout.
-
-Design choices:
-- Coefficients and Sinkhorn run in >= fp32 with autocast disabled: Sinkhorn in bf16 is unstable.
-  fp64 inputs stay fp64 so gradcheck and the CPU reference tests are exact. The stream sums
-  (mix in, mix out, contraction) also accumulate in >= fp32 and cast once at the end.
-- The functions here are the eager reference and the CPU path. Each takes `kernels`
-  ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
-  `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere (the engine passes
-  its config's `mhc_kernels` too). `HyperConnection` runs `hyper_connection`
-  (`coefficients_and_mix_in`, F, `mix_out`); its fused path writes the streams' gradient once,
-  in the coefficient op's backward, for the coefficients, the mix in and mix out's residual.
-- The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
-  home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
-  Zero biases would start from maximal mixing (H_res uniform).
-- S = 1 uses `PlainResidual` (x + F(x)), so the model reduces exactly to a pre-norm transformer.
-- Streams are expanded once at the input and contracted once at the output by
-  `StreamContraction` (sigmoid weights like H_pre, no Sinkhorn).
+with per-token coefficients from one projection of the RMS-normed streams (docs/mhc.md has the
+formulas, the bias initialisation and the precision rules). The functions here are the eager
+reference; `fused_ops` is the one place that picks the fused Triton ops instead, from a
+`kernels` choice the caller makes ("auto" | "eager" | "triton": the trainer's
+`TrainConfig.kernels`, applied to a model by `apply_kernels`; the engine's `kernels`).
+S = 1 uses `PlainResidual` (x + F(x)): exactly a pre-norm transformer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import KERNELS, Kernels, ModelConfig
 from birkhoff.kernels import TRITON, use_fused
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 if TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
     import birkhoff.kernels.mhc  # noqa: F401
+
+
+def fused_ops(x: Tensor, kernels: str) -> ModuleType | None:
+    """The fused mHC ops (`birkhoff.kernels.mhc`) where `kernels` picks them for x
+    (`birkhoff.kernels.use_fused`), else None: the eager reference below runs."""
+    if not use_fused(x, kernels):
+        return None
+    from birkhoff.kernels import mhc
+
+    return mhc
 
 
 def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
@@ -72,13 +68,18 @@ def init_bias(num_streams: int, home: int) -> Tensor:
 
 
 def mhc_coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mhc_coefficients(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -98,9 +99,7 @@ def mhc_coefficients(
 
 def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tensor:
     """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D], summed in >= fp32, cast to x's dtype."""
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mix_in(x_BTSD, h_pre_BTS)
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -109,16 +108,21 @@ def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tenso
 
 
 def coefficients_and_mix_in(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(sum_j H_pre[j] x_j [B,T,D], H_pre, H_post, H_res): `mhc_coefficients`, then `mix_in`.
 
     The fused path runs both as one op, whose backward writes the streams' gradient once.
     """
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.coefficients_and_mix_in(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -129,16 +133,18 @@ def coefficients_and_mix_in(
 
 
 def mix_out(
-    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor, *,
+    x_BTSD: Tensor,
+    f_BTD: Tensor,
+    h_post_BTS: Tensor,
+    h_res_BTSS: Tensor,
+    *,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], in >= fp32, cast once.
 
     The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
     """
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
@@ -149,18 +155,23 @@ def mix_out(
 
 
 def hyper_connection(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor,
-    sublayer: Callable[[Tensor], Tensor], *, iters: int, norm_eps: float, eps: float = MHC_EPS,
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    sublayer: Callable[[Tensor], Tensor],
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """One mHC-wrapped sublayer: y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j.
 
     `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
     streams to the coefficient op's backward, which writes x's gradient once for all of it.
     """
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         # x_BTSD becomes the op's view of the (once made contiguous) streams
         y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
@@ -176,9 +187,16 @@ class HyperConnection(nn.Module):
     """The mHC wrapper of one sublayer: computes coefficients, mixes in, runs F, mixes out."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float,
-        eps: float = MHC_EPS, kernels: str = "auto",
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        home: int,
+        iters: int,
+        norm_eps: float,
+        eps: float = MHC_EPS,
+        kernels: str = "auto",
+    ) -> None:
         super().__init__()
         S = num_streams
         self.iters, self.norm_eps, self.eps, self.kernels = iters, norm_eps, eps, kernels
@@ -188,9 +206,16 @@ class HyperConnection(nn.Module):
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return hyper_connection(
-            x_BTSD, self.phi, self.alpha, self.bias, sublayer, iters=self.iters,
-            norm_eps=self.norm_eps, eps=self.eps, kernels=self.kernels,
-        )  # fmt: skip
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            sublayer,
+            iters=self.iters,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
+            kernels=self.kernels,
+        )
 
 
 class PlainResidual(nn.Module):
@@ -204,9 +229,13 @@ def build_hyper_connection(cfg: ModelConfig, *, home: int) -> nn.Module:
     if cfg.num_streams == 1:
         return PlainResidual()
     return HyperConnection(
-        cfg.dim, cfg.num_streams, home=home, iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps,
-        eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
-    )  # fmt: skip
+        cfg.dim,
+        cfg.num_streams,
+        home=home,
+        iters=cfg.sinkhorn_iters,
+        norm_eps=cfg.norm_eps,
+        eps=cfg.mhc_eps,
+    )
 
 
 def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
@@ -215,13 +244,17 @@ def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
 
 
 def contraction_weights(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
@@ -232,14 +265,18 @@ def contraction_weights(
 
 
 def contract(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
     fused path runs both as one op)."""
-    if use_fused(x_BTSD, kernels):
-        from birkhoff.kernels import mhc
-
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     w_BTS = contraction_weights(
         x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels
@@ -251,9 +288,14 @@ class StreamContraction(nn.Module):
     """Learned output head: sum_s w_s x_s with pre-style sigmoid weights (no Sinkhorn)."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS,
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        norm_eps: float,
+        eps: float = MHC_EPS,
         kernels: str = "auto",
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         S = num_streams
         self.norm_eps, self.eps, self.kernels = norm_eps, eps, kernels
@@ -263,9 +305,14 @@ class StreamContraction(nn.Module):
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
         return contract(
-            x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps, eps=self.eps,
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
             kernels=self.kernels,
-        )  # fmt: skip
+        )
 
 
 class SqueezeStreams(nn.Module):
@@ -279,9 +326,18 @@ def build_contraction(cfg: ModelConfig) -> nn.Module:
     """The output contraction of the main model or of one MTP depth (S = 1: the single stream)."""
     if cfg.num_streams == 1:
         return SqueezeStreams()
-    return StreamContraction(
-        cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels
-    )
+    return StreamContraction(cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+
+
+def apply_kernels(model: ModuleT, kernels: Kernels) -> ModuleT:
+    """Run every mHC module of `model` (its hyper-connections and contractions) on `kernels`, a
+    runtime choice applied from outside the model as recompute is; returns `model`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is invalid: must be one of {KERNELS}")
+    for module in model.modules():
+        if isinstance(module, HyperConnection | StreamContraction):
+            module.kernels = kernels
+    return model
 
 
 # Pure functions the trainer's modules above and the engine's forward both call, so a fused

@@ -116,7 +116,7 @@ def mtp_merge(
 
     `project` applies W_k ([D, 2D]) to the concatenation [B,T,S,2D]; the trainer passes its
     nn.Linear, the engine its (possibly fp8) matmul, so both run this one function. `kernels`
-    (the engine's `cfg.mhc_kernels`) selects the fused inference RMSNorm for the two norms.
+    (the engine's kernel choice) selects the fused inference RMSNorm for the two norms.
     """
     e_BTD = rms_norm(emb_BTD, embed_norm_D, eps, kernels=kernels)
     h_BTSD = rms_norm(h_BTSD, hidden_norm_D, eps, kernels=kernels)

@@ -1,4 +1,4 @@
-"""What a run reads before it starts: a checkpoint to start from and a JSONL task.
+"""What a run reads before it starts: a checkpoint to start from and a JSONL or generated task.
 
 `run_inputs` turns a preset and `birkhoff run`'s file flags (parsed in birkhoff.cli.run) into
 the preset to run and the keyword arguments of `GRPORun` (init, tokenizer, task, eval_problems
@@ -22,28 +22,40 @@ if TYPE_CHECKING:  # imported when used
 def run_inputs(
     preset: Preset, *, init: Path | None = None, data: Path | None = None,
     verifier: str | None = None, eval_data: Path | None = None, max_new_tokens: int | None = None,
+    task: str | None = None,
 ) -> tuple[Preset, dict[str, Any]]:  # fmt: skip
-    """The preset and GRPORun's keyword arguments for a start checkpoint and a JSONL task."""
+    """The preset and GRPORun's keyword arguments for a start checkpoint and a JSONL task or a
+    generated task (`task`, a name of birkhoff.tasks.problems.TASKS)."""
+    from birkhoff.tasks.problems import FREE_TEXT_TASKS
+
     if data is None and (verifier is not None or eval_data is not None):
         raise ValueError("--verifier and --eval-data need --data FILE.jsonl")
+    if data is not None and task is not None:
+        raise ValueError("--task and --data are exclusive: one task per run")
     kwargs: dict[str, Any] = {}
     if init is not None:
-        preset, kwargs = init_inputs(Path(init), preset)
+        preset, kwargs = init_inputs(Path(init), preset, chat=task in FREE_TEXT_TASKS)
+    if task is not None:
+        preset = task_inputs(preset, task, tokenizer=kwargs.get("tokenizer"),
+                             fresh_model=init is None, max_new_tokens=max_new_tokens)  # fmt: skip
     if data is not None:
-        preset, task = data_inputs(preset, Path(data), verifier=verifier, eval_data=eval_data,
-                                   max_new_tokens=max_new_tokens,
-                                   tokenizer=kwargs.get("tokenizer"))  # fmt: skip
-        kwargs.update(task)
+        preset, splits = data_inputs(preset, Path(data), verifier=verifier, eval_data=eval_data,
+                                     max_new_tokens=max_new_tokens,
+                                     tokenizer=kwargs.get("tokenizer"))  # fmt: skip
+        kwargs.update(splits)
     return preset, kwargs
 
 
-def init_inputs(init: Path, preset: Preset) -> tuple[Preset, dict[str, Any]]:
-    """--init CKPT: the checkpoint's model config and tokenizer (weights load in GRPORun)."""
+def init_inputs(init: Path, preset: Preset, *, chat: bool = False) -> tuple[Preset, dict[str, Any]]:
+    """--init CKPT: the checkpoint's model config and tokenizer (weights load in GRPORun);
+    `chat`: prompts through the tokenizer's chat template when it has one."""
     from birkhoff.interop.tokenizer import checkpoint_tokenizer
     from birkhoff.runtime.checkpoint import CONFIG_FILE, parse_config, read_manifest, read_verified
 
     cfg = parse_config(init / CONFIG_FILE, read_verified(init, read_manifest(init), CONFIG_FILE))
     tokenizer = checkpoint_tokenizer(init)
+    if chat and getattr(tokenizer, "chat_template", None) is not None:
+        tokenizer = checkpoint_tokenizer(init, chat=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"--init {init}: tokenizer has {tokenizer.vocab_size} ids, "
                          f"the model's vocab_size is {cfg.vocab_size}")  # fmt: skip
@@ -51,6 +63,47 @@ def init_inputs(init: Path, preset: Preset) -> tuple[Preset, dict[str, Any]]:
     drafts = preset.rl.num_speculative_tokens if cfg.mtp_depth else 0  # no MTP, no drafts
     preset = preset.replace(model=cfg, rl=preset.rl.replace(num_speculative_tokens=drafts))
     return preset, {"init": init, "tokenizer": tokenizer}
+
+
+FREE_TEXT_NEW_TOKENS = 256  # completion room of a chat-style task (reasoning, then the answer)
+
+
+def task_inputs(
+    preset: Preset, name: str, *, tokenizer: Tokenizer | None, fresh_model: bool,
+    max_new_tokens: int | None,
+) -> Preset:  # fmt: skip
+    """--task NAME: the preset with that generated task, its prompt style chosen for the
+    tokenizer (tasks.problems.task_for_tokenizer); without --max-new-tokens, room for the
+    longest of 64 sampled answers and its EOS, or FREE_TEXT_NEW_TOKENS for chat prompts. A fresh
+    model's max_seq_len grows to fit prompt + completion; a checkpoint's must already."""
+    import random
+
+    from birkhoff.tasks.problems import sample_problems, task_for_tokenizer
+    from birkhoff.tokenizer import CharTokenizer
+
+    tok = tokenizer or CharTokenizer()
+    chat = bool(getattr(tok, "chat", False))
+    task, options = task_for_tokenizer(name, chat=chat)
+    problems = sample_problems(task, random.Random(0), 64)
+    try:
+        prompt = max(len(tok.encode_prompt(p.prompt)) for p in problems)
+        answer = max(len(tok.encode(p.answer)) for p in problems)
+    except ValueError as err:
+        raise ValueError(f"--task {name}: {err}") from err
+    assert preset.rl is not None
+    if max_new_tokens is None:
+        room = FREE_TEXT_NEW_TOKENS if chat else answer + 1
+        max_new_tokens = max(preset.rl.max_new_tokens, room)
+    rl = preset.rl.replace(max_new_tokens=max_new_tokens)
+    model, need = preset.model, prompt + max_new_tokens
+    if model.max_seq_len < need:
+        if not fresh_model:
+            raise ValueError(
+                f"--task {name}: prompts of up to {prompt} tokens + {max_new_tokens} new "
+                f"tokens exceed the model's max_seq_len={model.max_seq_len}"
+            )
+        model = model.replace(max_seq_len=-(-need // 16) * 16)
+    return preset.replace(task=name, task_options=options, rl=rl, model=model)
 
 
 def data_inputs(

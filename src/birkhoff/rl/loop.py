@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.engine import Engine
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.mtp import shift_targets
 from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset
@@ -177,6 +178,7 @@ class GRPORun:
             quantize=self.rl.refit_quantize,
             max_batch_size=max(batch, self.rl.num_eval_prompts, 1),
             max_speculative_tokens=max(self.rl.num_speculative_tokens, 1),
+            kernels=self.preset.train.kernels,
         )
 
     # ------------------------------------------------------------------ phases
@@ -313,6 +315,7 @@ class GRPORun:
             self.log.truncate_after(self.step)
         if (self.out / REFERENCE_DIR).is_dir() and self.rl.loss.kl_weight > 0:
             reference = Transformer(self.preset.model).to(self.device)
+            apply_kernels(reference, self.preset.train.kernels)
             load_checkpoint(self.out / REFERENCE_DIR, model=reference)
             self.reference = reference.eval().requires_grad_(False)
 

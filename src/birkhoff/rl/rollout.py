@@ -103,7 +103,7 @@ def rollout(
         cfg.max_new_tokens,
         temperature=0.0 if greedy else cfg.temperature,
         stop_token_ids=tokenizer.stop_ids,
-        stop=task.stop,
+        stop=getattr(task, "stop", ()),  # user tasks may predate stop strings
         seed=seed,
         num_speculative_tokens=cfg.num_speculative_tokens,
     )

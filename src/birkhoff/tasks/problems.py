@@ -129,6 +129,20 @@ def get_task(name: str, **kwargs: object) -> Task:
         raise ValueError(f"task={name!r}: bad options {sorted(kwargs)} ({err})") from err
 
 
+FREE_TEXT_TASKS = ("countdown", "arithmetic-words")  # tasks with a "chat" / "compact" style
+
+
+def task_for_tokenizer(
+    name: str, *, chat: bool, **options: object
+) -> tuple[Task, dict[str, object]]:
+    """A registry task and its options, the prompt style chosen for the tokenizer: "chat" when
+    prompts go through a chat template (`chat`), else "compact" (the character tokenizer's
+    vocabulary). Tasks without styles take `options` as given."""
+    if name in FREE_TEXT_TASKS and "style" not in options:
+        options = {**options, "style": "chat" if chat else "compact"}
+    return get_task(name, **options), options
+
+
 def sample_problems(task: Task, rng: random.Random, num_problems: int) -> list[Problem]:
     return [task.sample(rng) for _ in range(num_problems)]
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from birkhoff.config import check
+from birkhoff.config import KERNELS, Kernels, check
 
 AmpDtype = Literal["none", "bf16"]
 RecomputeMode = Literal["none", "full"]
@@ -39,6 +39,8 @@ class TrainConfig:
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
     compile: bool = False  # torch.compile blocks, MTP depths, heads (train/recompute.py)
     cuda_graph: bool = False  # supervised steps replay forward + backward from CUDA graphs
+    # fused Triton ops for the mHC modules ("auto": on CUDA) and, in the RL loop, the engine's
+    kernels: Kernels = "auto"
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -68,6 +70,7 @@ class TrainConfig:
               "a CUDA graph replays no reclaim: use recompute='none'")  # fmt: skip
         rc = self.reclaim
         check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
+        check(self.kernels in KERNELS, "kernels", self.kernels, " | ".join(KERNELS))
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
