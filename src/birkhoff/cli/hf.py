@@ -43,8 +43,13 @@ def run_import_hf(args: argparse.Namespace) -> Path:
     from birkhoff.interop.hf import import_hf
 
     check_out(args)
-    return import_hf(args.source, args.out, num_streams=args.streams, mtp_depth=args.mtp_depth,
-                     max_seq_len=args.max_seq_len)  # fmt: skip
+    return import_hf(
+        args.source,
+        args.out,
+        num_streams=args.streams,
+        mtp_depth=args.mtp_depth,
+        max_seq_len=args.max_seq_len,
+    )
 
 
 def run_export_hf(args: argparse.Namespace) -> Path:
