@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from birkhoff.cli import consolidate, generate, hf, presets, run, train
-from birkhoff.cli.common import EXIT_USAGE, HelpFormatter, UsageError
+from birkhoff.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, HelpFormatter, UsageError
 from birkhoff.cli.config import dotted_overrides
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv  # `birkhoff run` prints the command that resumes it
     if extra:  # `--rl.lr 1e-4`: only where the command takes settings
         if not hasattr(args, "dotted"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # outside a run's steps (those stop at a step boundary)
+        print(f"\nbirkhoff {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         end_process_group()
 

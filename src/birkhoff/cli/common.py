@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 class UsageError(Exception):
@@ -30,13 +31,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+OVERWRITE_HINT = "pass --overwrite to replace"
+
+
+def prepare_out_dir(
+    out: Path, *, overwrite: bool, outputs: tuple[str, ...], hint: str = OVERWRITE_HINT
+) -> None:
     """Create `out` (if needed) and check it is writable and holds no previous run's outputs."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
     clashes = [name for name in outputs if (out / name).exists()]
     if clashes and not overwrite:
-        raise UsageError(f"--out {out}: already holds {clashes}; pass --overwrite to replace")
+        raise UsageError(f"--out {out}: already holds {clashes}; {hint}")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}"
@@ -94,14 +100,16 @@ def start_job(args: argparse.Namespace, config: Any, *, num_items: int, what: st
     return str(ctx.device)
 
 
-def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+def prepare_on_main(
+    out: Path, *, overwrite: bool, outputs: tuple[str, ...], hint: str = OVERWRITE_HINT
+) -> None:
     """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
     from birkhoff.runtime import distributed
 
     error = None
     if distributed.current().is_main:
         try:
-            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs, hint=hint)
         except UsageError as err:
             error = str(err)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
+    OVERWRITE_HINT,
     UsageError,
     add_job_arguments,
     is_main,
@@ -23,6 +24,8 @@ from birkhoff.cli.config import add_config_arguments, preset_from_args
 
 if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
+    from birkhoff.rl.loop import GRPORun
+    from birkhoff.runtime.stop import StopFlag
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
 
@@ -96,7 +99,7 @@ def run_preset(args: argparse.Namespace) -> Preset:
 
 
 def run(args: argparse.Namespace) -> int:
-    from birkhoff.runtime.checkpoint import CheckpointError
+    from birkhoff.runtime.stop import StopFlag, stop_on_signals
 
     try:
         preset, inputs = inputs_from_args(args)
@@ -111,12 +114,26 @@ def run(args: argparse.Namespace) -> int:
         for line in resume_notes(out / "checkpoint", preset):
             print(line)
     else:
-        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        resumable = (out / "checkpoint").is_dir()
+        hint = "pass --resume to continue it or --overwrite to replace it"
+        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS,
+                        hint=hint if resumable else OVERWRITE_HINT)  # fmt: skip
         if is_main():
             (out / "metrics.jsonl").unlink(missing_ok=True)
+    with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
+        return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)
 
+
+def run_grpo(
+    args: argparse.Namespace, preset: Preset, inputs: dict[str, Any], *, out: Path, device: str,
+    flag: StopFlag,
+) -> int:  # fmt: skip
+    """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     from birkhoff.rl.loop import GRPORun
+    from birkhoff.runtime.checkpoint import CheckpointError
     from birkhoff.runtime.metrics import plot_run
+    from birkhoff.runtime.stop import exit_code, resume_command
+    from birkhoff.tasks.guard import VerifierFailureError
 
     set_threads(device, args.threads or preset.num_threads)
     grpo = GRPORun(preset, out, device=device, **inputs)
@@ -125,17 +142,39 @@ def run(args: argparse.Namespace) -> int:
             grpo.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    from birkhoff.tasks.guard import VerifierFailureError
-
+        if args.stop_after is not None and args.stop_after <= grpo.step:
+            raise UsageError(f"--stop-after {args.stop_after}: the checkpoint already holds "
+                             f"step {grpo.step}")  # fmt: skip
+        if is_main():
+            print(resume_line(grpo, out))
+        if grpo.step == grpo.total_steps:
+            return 0
     try:
-        grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+        grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
-        for line in run_summary(grpo.log.rows(), out):
-            print(line)
-    return 0
+        if grpo.stopped_by is not None:
+            command = resume_command(args.argv, reason=grpo.stopped_by,
+                                     world_size=grpo.dist.world_size)  # fmt: skip
+            print(f"stopped ({grpo.stopped_by}): {out / 'checkpoint'} holds step {grpo.step} "
+                  f"of {grpo.total_steps}; resume with: {command}", flush=True)  # fmt: skip
+        else:
+            for line in run_summary(grpo.log.rows(), out):
+                print(line)
+    return exit_code(grpo.stopped_by)
+
+
+def resume_line(grpo: GRPORun, out: Path) -> str:
+    """Where a resumed run continues from (or that it is finished)."""
+    warmup, total = grpo.rl.warmup_steps, grpo.total_steps
+    if grpo.step == total:
+        return (f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
+                "(raise --steps to continue it)")  # fmt: skip
+    phase = (f"warm-up step {grpo.step + 1} of {warmup}" if grpo.step < warmup
+             else f"GRPO step {grpo.step - warmup + 1} of {grpo.rl.num_steps}")  # fmt: skip
+    return f"resuming {out} at step {grpo.step + 1} of {total} ({phase})"
 
 
 def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:

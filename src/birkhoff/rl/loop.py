@@ -47,7 +47,7 @@ from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
-from birkhoff.rl.loss import grpo_loss, token_logprobs
+from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -64,6 +64,7 @@ from birkhoff.runtime.distributed import (
 )
 from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.runtime.progress import Progress
+from birkhoff.runtime.stop import STOP_AFTER, StopFlag
 from birkhoff.tasks.problems import (
     Problem,
     Task,
@@ -88,17 +89,17 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
     """GRPO policy loss on the completion tokens (+ KL to `reference`) + the MTP loss."""
 
     def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
-        out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
-        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]; the
-        # rollouts sampled from softmax(logits / temperature), so the ratio uses the same
-        tokens_BT = batch.input_ids[:, 1:]
-        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, tokens_BT)
+        # the rollouts sampled from softmax(logits / temperature): the ratio uses the same
+        ids_BT, mask_BT, t = batch.input_ids, batch.completion_mask, cfg.temperature
+        out = model(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+        # out.logp[:, i] is the logprob of token i+1: align [:, :-1] with tokens/masks[:, 1:]
+        logp_BT = out.logp[:, :-1]
         ref_logp_BT = None
         if reference is not None:
             with torch.no_grad():
-                ref_logits_BTV = reference(batch.input_ids).logits[:, :-1]
-            ref_logp_BT = token_logprobs(ref_logits_BTV / cfg.temperature, tokens_BT)
-        mask_BT, num_ranks = batch.completion_mask, world_size()
+                ref = reference(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+            ref_logp_BT = ref.logp[:, :-1]
+        num_ranks = world_size()
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],
@@ -154,6 +155,8 @@ class GRPORun:
             load_checkpoint(init, model=self.model)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
+        self.checkpoint_step: int | None = None  # the step the run's checkpoint holds
+        self.stopped_by: str | None = None  # why the last `run` ended early (runtime.stop)
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()  # from the whole model, before any sharding
         if self.dist.enabled:
@@ -184,13 +187,16 @@ class GRPORun:
 
     # ------------------------------------------------------------------ phases
 
-    def warmup_rows(self, stop: int) -> Iterator[dict[str, Any]]:
-        """The supervised warm-up from the current step up to `stop` (the shared loop)."""
+    def step_rows(self) -> Iterator[dict[str, Any]]:
+        """Each remaining step's metrics row, computed when asked for: the rest of the
+        supervised warm-up (the shared loop), then GRPO steps."""
         # the warm-up's lr schedule spans the warm-up, not the preset's supervised run length
         cfg = self.preset.train.replace(num_steps=max(self.rl.warmup_steps, 1))
-        steps = range(self.step, min(stop, self.rl.warmup_steps))
-        return supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
-                                steps=steps)  # fmt: skip
+        steps = range(self.step, self.rl.warmup_steps)
+        yield from supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
+                                    steps=steps)  # fmt: skip
+        while True:
+            yield self.grpo_step()
 
     def grpo_step(self) -> dict[str, Any]:
         rl, seed = self.rl, self.preset.train.seed
@@ -274,17 +280,9 @@ class GRPORun:
             "preset": self.preset.name,
             "config": as_settings(self.preset),
         }  # the resolved settings, for --resume
-        if self.dist.enabled:
-            save_sharded(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step,
-                         extra=extra)  # fmt: skip
-            return
-        save_checkpoint(
-            self.out / CHECKPOINT_DIR,
-            self.model,
-            self.optimizer,
-            step=self.step,
-            extra=extra,
-        )
+        save = save_sharded if self.dist.enabled else save_checkpoint
+        save(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step, extra=extra)
+        self.checkpoint_step = self.step
 
     def freeze_reference(self) -> Transformer:
         """A frozen copy of the current policy, saved atomically so a resumed run reuses it."""
@@ -310,7 +308,7 @@ class GRPORun:
                                           restore_rng=True)[2:4]  # fmt: skip
         if extra.get("preset") != self.preset.name:
             raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
-        self.step = step
+        self.step = self.checkpoint_step = step
         if self.dist.enabled:
             self.refit()
         else:
@@ -326,25 +324,42 @@ class GRPORun:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, *, stop_after: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
-        """Run (or continue) to the last step; `stop_after` ends early at that global step.
+    def run(
+        self, *, stop_after: int | None = None, progress: bool = True, stop: StopFlag | None = None
+    ) -> list[dict[str, Any]]:
+        """Run (or continue) to the last step; return the rows written.
 
-        The engine is refit at the end of the warm-up and after every GRPO step, so each eval
-        sees the trainer's current weights.
+        The run ends early, with a checkpoint of the steps done, after global step `stop_after`
+        or at the first step boundary after `stop` was raised (a signal: runtime.stop);
+        `stopped_by` then says which. The engine is refit at the end of the warm-up and after
+        every GRPO step, so each eval sees the trainer's current weights.
         """
-        stop = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
         rows: list[dict[str, Any]] = []
+        self.stopped_by = None
         with Progress(total=self.total_steps, initial=self.step, desc=self.preset.name,
                       enabled=progress and self.dist.is_main) as bar:  # fmt: skip
-            for row in self.warmup_rows(stop):
-                rows += self.finish_step(row, bar, stop_after)
-            while self.step < stop:
-                rows += self.finish_step(self.grpo_step(), bar, stop_after)
+            steps = self.step_rows()
+            while self.step < self.total_steps:
+                self.stopped_by = self.stop_reason(stop, stop_after)
+                if self.stopped_by is not None:
+                    if self.checkpoint_step != self.step:
+                        self.save()
+                    break
+                rows += self.finish_step(next(steps), bar)
         return rows
 
-    def finish_step(
-        self, row: dict[str, Any], bar: Progress, stop_after: int | None
-    ) -> list[dict[str, Any]]:
+    def stop_reason(self, stop: StopFlag | None, stop_after: int | None) -> str | None:
+        """Why the run stops before its next step, or None; every rank gives the same answer."""
+        reason = stop.reason if stop is not None else None
+        if self.dist.enabled:  # the signal may reach the ranks before different steps
+            flag = {"stop": float(reason is not None)}
+            if reduce_floats(flag, "max", self.device)["stop"] > 0:
+                reason = reason or "a signal to another rank"
+        if reason is None and stop_after is not None and self.step >= stop_after:
+            reason = STOP_AFTER
+        return reason
+
+    def finish_step(self, row: dict[str, Any], bar: Progress) -> list[dict[str, Any]]:
         """After a step: refit at the end of the warm-up, evaluate, log, checkpoint."""
         self.step += 1
         rows = [row]
@@ -359,15 +374,18 @@ class GRPORun:
             if self.dist.is_main:
                 self.log.append(r)
         bar.update(self.log.postfix())
-        if self.should_checkpoint() or self.step == stop_after:
+        if self.should_checkpoint():
             self.save()
         return rows
 
     def should_checkpoint(self) -> bool:
+        """At the end, at the end of the warm-up, and every `checkpoint_every` steps of each
+        phase (counted from the phase's start)."""
         every = self.rl.checkpoint_every
         grpo_done = self.step - self.rl.warmup_steps
+        in_phase = self.step if grpo_done < 0 else grpo_done
         return (
             self.step == self.total_steps
             or grpo_done == 0
-            or (every > 0 and grpo_done > 0 and grpo_done % every == 0)
+            or (every > 0 and in_phase > 0 and in_phase % every == 0)
         )
