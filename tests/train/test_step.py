@@ -188,7 +188,7 @@ def test_answer_accuracy_hand_made():
     logits = torch.zeros(2, 4, 10)
     logits[0, 1, 7] = logits[0, 2, 2] = 1.0  # both right
     logits[1, 1, 7] = logits[1, 2, 3] = 1.0  # second wrong
-    token_acc, seq_acc = answer_accuracy(logits, labels, mask)
+    token_acc, seq_acc = answer_accuracy(logits.argmax(-1), labels, mask)
     assert float(token_acc) == 0.75 and float(seq_acc) == 0.5
 
 

@@ -48,13 +48,54 @@ def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
     Row softmax, + eps on every entry, column normalisation, then (iters - 1) x (row, column)
     normalisation, eps in every denominator. Columns are normalised last, so column sums are
     exact and row sums converge (~1e-3 after 20 iterations for typical logits).
+
+    The normalisations run with the matrix entries leading ([S, S, N], N = every leading index,
+    `SinkhornSteps`): each sum and division is then a few ops on contiguous length-N vectors
+    instead of ops over many S-wide rows, ~10x faster on CPU for the [B,T,4,4] of a layer, and
+    a sum over S entries adds them in order, as the row-major form does for S <= 4 (equal to
+    the last bit there; for larger S the two may round differently).
     """
-    m = torch.softmax(logits_SS, dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
+    S = logits_SS.shape[-1]
+    m_NSS = (torch.softmax(logits_SS, dim=-1) + eps).reshape(-1, S, S)
+    if torch.is_grad_enabled() and m_NSS.requires_grad:
+        out_NSS = SinkhornSteps.apply(m_NSS, iters, eps)
+    else:
+        out_NSS = SinkhornSteps.forward(None, m_NSS, iters, eps)
+    return out_NSS.view(logits_SS.shape)
+
+
+class SinkhornSteps(torch.autograd.Function):
+    """The 2 * iters - 1 alternating normalisations of `sinkhorn` on [N,S,S] (entries of m > 0).
+
+    Step i divides m by d = (sum of m over its axis) + eps: the column axis (dim 0 of the
+    [S, S, N] layout) for even i, the row axis for odd i. The backward of r = m / d,
+        dm = g / d - sum_axis(g * (r / d)),
+    is autograd's for the same ops (div's two gradients, the sum's broadcast) written out, in
+    the same [S, S, N] layout, so it equals what autograd would compute to the last bit.
+    """
+
+    @staticmethod
+    def forward(ctx: object, m_NSS: Tensor, iters: int, eps: float) -> Tensor:
+        m_SSN = m_NSS.permute(1, 2, 0).contiguous()  # entries leading
+        saved: list[Tensor] = []
+        for i in range(2 * iters - 1):
+            d_SSN = m_SSN.sum(dim=i % 2, keepdim=True) + eps  # column sums first
+            m_SSN = m_SSN / d_SSN
+            saved += [m_SSN, d_SSN]
+        if ctx is not None:
+            ctx.save_for_backward(*saved)  # type: ignore[attr-defined]
+        return m_SSN.permute(2, 0, 1).contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: object, g_NSS: Tensor) -> tuple[Tensor, None, None]:
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]
+        g_SSN = g_NSS.permute(1, 2, 0).contiguous()
+        for i in reversed(range(len(saved) // 2)):
+            r_SSN, d_SSN = saved[2 * i], saved[2 * i + 1]
+            g_d = (g_SSN * (r_SSN / d_SSN)).sum(dim=i % 2, keepdim=True)
+            g_SSN = g_SSN / d_SSN - g_d
+        return g_SSN.permute(2, 0, 1).contiguous(), None, None
 
 
 def init_bias(num_streams: int, home: int) -> Tensor:

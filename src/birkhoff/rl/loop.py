@@ -47,7 +47,7 @@ from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
-from birkhoff.rl.loss import grpo_loss, token_logprobs
+from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -89,17 +89,17 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
     """GRPO policy loss on the completion tokens (+ KL to `reference`) + the MTP loss."""
 
     def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
-        out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
-        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]; the
-        # rollouts sampled from softmax(logits / temperature), so the ratio uses the same
-        tokens_BT = batch.input_ids[:, 1:]
-        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, tokens_BT)
+        # the rollouts sampled from softmax(logits / temperature): the ratio uses the same
+        ids_BT, mask_BT, t = batch.input_ids, batch.completion_mask, cfg.temperature
+        out = model(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+        # out.logp[:, i] is the logprob of token i+1: align [:, :-1] with tokens/masks[:, 1:]
+        logp_BT = out.logp[:, :-1]
         ref_logp_BT = None
         if reference is not None:
             with torch.no_grad():
-                ref_logits_BTV = reference(batch.input_ids).logits[:, :-1]
-            ref_logp_BT = token_logprobs(ref_logits_BTV / cfg.temperature, tokens_BT)
-        mask_BT, num_ranks = batch.completion_mask, world_size()
+                ref = reference(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+            ref_logp_BT = ref.logp[:, :-1]
+        num_ranks = world_size()
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],

@@ -104,8 +104,8 @@ def teacher_forced_accuracy(
     """Exact-match rate of the argmax answers given the true prefix (= greedy exact match)."""
     model.eval()
     batch = build_supervised_batch(problems, tokenizer).to(model_device(model))
-    logits_BTV = model(batch.input_ids).logits
-    return float(answer_accuracy(logits_BTV, batch.input_ids, batch.loss_mask)[1])
+    out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.loss_mask)
+    return float(answer_accuracy(out.argmax, batch.input_ids, batch.loss_mask)[1])
 
 
 def run_training(

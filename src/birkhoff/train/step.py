@@ -1,6 +1,6 @@
 """One optimisation step: forward (in the right context), loss, backward, clip, AdamW step.
 
-Legend: B batch, T tokens, V vocab.
+Legend: B batch, T tokens.
 
 Design choices:
 - `forward_context(model, cfg)` is the single place that decides what wraps the forward:
@@ -75,16 +75,15 @@ def forward_context(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
 
 
 @torch.no_grad()
-def answer_accuracy(
-    logits_BTV: Tensor, labels_BT: Tensor, mask_BT: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(token accuracy, sequence exact match) of the main head's argmax on masked targets.
+def answer_accuracy(argmax_BT: Tensor, labels_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """(token accuracy, sequence exact match) of the main head's argmax (`TransformerOutput.
+    argmax`: the most likely token after position i) on masked targets.
 
     With teacher forcing, a sequence whose every masked target is the argmax is exactly what
     greedy decoding would produce, so the sequence figure equals greedy exact-match accuracy.
     """
     targets_BT, in_BT = shift_targets(labels_BT, mask_BT.bool(), 1)
-    hit_BT = logits_BTV.argmax(dim=-1) == targets_BT
+    hit_BT = argmax_BT == targets_BT
     token_acc = (hit_BT & in_BT).sum() / in_BT.sum().clamp(min=1)
     has_target_B = in_BT.any(dim=1)
     all_hit_B = (hit_BT | ~in_BT).all(dim=1) & has_target_B
@@ -103,7 +102,7 @@ def supervised_loss(model: nn.Module, batch: Any) -> tuple[Tensor, Metrics]:
         metrics[f"mtp_loss_{k}"] = mtp_loss.detach()
     if out.mtp_losses:
         metrics["mtp_loss"] = torch.stack(out.mtp_losses).detach().mean()
-    token_acc, seq_acc = answer_accuracy(out.logits, batch.input_ids, batch.loss_mask)
+    token_acc, seq_acc = answer_accuracy(out.argmax, batch.input_ids, batch.loss_mask)
     metrics["token_acc"], metrics["seq_acc"] = token_acc, seq_acc
     if world_size() == 1:
         return out.loss, metrics
