@@ -12,7 +12,14 @@ import sys
 from collections.abc import Callable
 
 from birkhoff.cli import consolidate, evaluate, generate, hf, presets, run, train
-from birkhoff.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, HelpFormatter, UsageError
+from birkhoff.cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    HelpFormatter,
+    RunFailed,
+    UsageError,
+)
 from birkhoff.cli.config import dotted_overrides
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -86,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as err:
+        print(f"birkhoff {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:  # outside a run's steps (those stop at a step boundary)
         print(f"\nbirkhoff {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

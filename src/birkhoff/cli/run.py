@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
     OVERWRITE_HINT,
+    RunFailed,
     UsageError,
     add_job_arguments,
     is_main,
@@ -134,6 +135,7 @@ def run_grpo(
     from birkhoff.runtime.metrics import plot_run
     from birkhoff.runtime.stop import exit_code, resume_command
     from birkhoff.tasks.guard import VerifierFailureError
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     grpo = GRPORun(preset, out, device=device, **inputs)
@@ -153,6 +155,8 @@ def run_grpo(
         grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
+    except NonFiniteError as err:
+        raise RunFailed(f"run stopped: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:
