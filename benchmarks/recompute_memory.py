@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.recompute import (
     PeakLiveBytes,
     UseAfterFreeError,
@@ -280,9 +281,10 @@ def sanitizer_steps(
     args: argparse.Namespace, reclaim: str, ids: Tensor
 ) -> tuple[list[float], dict[str, Tensor]]:
     """`args.sanitizer_steps` training steps with `reclaim`: the losses and the last gradients."""
-    cfg = model_config(args, moe=args.moe).replace(mhc_kernels=args.kernels)
+    cfg = model_config(args, moe=args.moe)
     torch.manual_seed(0)
-    model = apply_recompute(Transformer(cfg).to(args.device), reclaim=reclaim)
+    model = apply_kernels(Transformer(cfg).to(args.device), args.kernels)
+    model = apply_recompute(model, reclaim=reclaim)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
     for _ in range(args.sanitizer_steps):

@@ -77,12 +77,13 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers,
-                      num_heads=args.heads, num_streams=4, mtp_depth=1, max_seq_len=64,
-                      mhc_kernels="triton")  # fmt: skip
+                      num_heads=args.heads, num_streams=4, mtp_depth=1, max_seq_len=64)  # fmt: skip
     torch.manual_seed(0)
     model = Transformer(cfg).to(device).eval()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine = Engine.from_model(model, device=device, dtype=dtype, cuda_graphs=False)
+    engine = Engine.from_model(
+        model, device=device, dtype=dtype, cuda_graphs=False, kernels="triton"
+    )
     seen: dict[str, list[Counter[str]]] = defaultdict(list)
     for kind in ("plain_step", "speculative_step"):
         setattr(decode, kind, counted(getattr(decode, kind), kind, seen))

@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from train_step import RESULTS, fwd_bwd, lm_loss, model_config, sizes
 
 from birkhoff.model import Transformer
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.train import TrainConfig
 from birkhoff.train.graph import StepGraphs
 from birkhoff.train.recompute import compile_blocks
@@ -151,8 +152,8 @@ def profile_variant(name: str, args: argparse.Namespace) -> tuple[dict[str, floa
     streams, mtp = (int(part[1:]) for part in name.split("_"))
     size = sizes(argparse.Namespace(**{**vars(args), "quick": False}))
     torch.manual_seed(0)
-    cfg = model_config(size, streams, mtp, args.mhc_kernels, args.residual_dtype)
-    model = Transformer(cfg).cuda()
+    cfg = model_config(size, streams, mtp, args.residual_dtype)
+    model = apply_kernels(Transformer(cfg).cuda(), args.mhc_kernels)
     if args.compile:
         compile_blocks(model)
     ids_BT = torch.randint(0, model.cfg.vocab_size, (size["batch"], size["seq"]), device="cuda")

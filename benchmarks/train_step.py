@@ -45,6 +45,7 @@ from common import same_active_moe, sync, write_result
 
 from birkhoff.config import ModelConfig
 from birkhoff.model import Transformer
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.moe import moe_layers
 from birkhoff.presets import h200_small
 from birkhoff.train import TrainConfig, forward_context
@@ -109,12 +110,12 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
 
 
 def model_config(
-    size: dict[str, int], streams: int, mtp: int, kernels: str, residual: str = "fp32"
+    size: dict[str, int], streams: int, mtp: int, residual: str = "fp32"
 ) -> ModelConfig:
     return ModelConfig(
         vocab_size=h200_small().model.vocab_size, dim=size["dim"], num_layers=size["layers"],
         num_heads=size["heads"], num_streams=streams, mtp_depth=mtp, max_seq_len=size["seq"],
-        mhc_kernels=kernels, residual_dtype=residual,  # type: ignore[arg-type]
+        residual_dtype=residual,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -193,9 +194,10 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> 
 def run_variant(size: dict[str, int], streams: int, mtp: int, args: argparse.Namespace,
                 device: torch.device, *, moe: bool = False) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
-    cfg = model_config(size, streams, mtp, args.mhc_kernels, args.residual_dtype)
+    cfg = model_config(size, streams, mtp, args.residual_dtype)
     experts = args.experts or (4 if args.quick else 32)
     model = Transformer(same_active_moe(cfg, experts) if moe else cfg).to(device)
+    apply_kernels(model, args.mhc_kernels)
     if args.recompute == "full":  # every block and MTP depth, safe reclaim
         apply_recompute(model, reclaim="safe")
     if args.compile:

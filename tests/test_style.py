@@ -26,8 +26,6 @@ PENDING = (
     "rl/loop.py",
     "rl/inputs.py",
     "interop/commands.py",
-    "interop/tokenizer.py",
-    "interop/gguf",
     "tasks/arithmetic.py",
     "tasks/countdown.py",
     "tasks/guard.py",

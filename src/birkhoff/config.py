@@ -16,6 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# which ops run as fused Triton kernels (`birkhoff.kernels.use_fused`): a runtime option of the
+# trainer (`TrainConfig.kernels`) and of the engine (`Engine(kernels=...)`), never of the network
+Kernels = Literal["auto", "eager", "triton"]
+KERNELS: tuple[Kernels, ...] = ("auto", "eager", "triton")
+# fields older checkpoints' model configs may hold, dropped on load
+RETIRED_MODEL_FIELDS = ("mhc_kernels",)
+
 
 def check(cond: bool, field: str, value: object, why: str) -> None:
     """Raise a ValueError naming `field` and `value` unless `cond` holds."""
@@ -43,8 +50,6 @@ class ModelConfig:
     num_streams: int = 4  # S; 1 = plain residual stream, exactly a pre-norm transformer
     sinkhorn_iters: int = 20
     mhc_eps: float = 1e-6  # eps of H_pre = sigmoid + eps and of the Sinkhorn entries/denominators
-    # auto: fused Triton ops on CUDA (the mHC ops; in the engine also RMSNorm and rope)
-    mhc_kernels: Literal["auto", "eager", "triton"] = "auto"
     # the residual streams' dtype under autocast: "fp32" (kept in fp32), or "autocast" (the
     # autocast dtype, e.g. bf16: half the bytes the mixes move and the backward saves)
     residual_dtype: Literal["fp32", "autocast"] = "fp32"
@@ -94,8 +99,6 @@ class ModelConfig:
         check(self.num_streams >= 1, "num_streams", self.num_streams, "must be >= 1")
         check(self.sinkhorn_iters >= 1, "sinkhorn_iters", self.sinkhorn_iters, "must be >= 1")
         check(0 < self.mhc_eps < 1e-2, "mhc_eps", self.mhc_eps, "must be in (0, 1e-2)")
-        kernels = self.mhc_kernels
-        check(kernels in ("auto", "eager", "triton"), "mhc_kernels", kernels, "auto|eager|triton")
         residual = self.residual_dtype
         check(residual in ("fp32", "autocast"), "residual_dtype", residual, "fp32|autocast")
         check(self.mtp_depth >= 0, "mtp_depth", self.mtp_depth, "must be >= 0")
@@ -126,6 +129,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        # the kernel choice left the model config for the runtime's (Kernels, above)
+        data = {k: v for k, v in data.items() if k not in RETIRED_MODEL_FIELDS}
         reject_unknown_fields(cls, data)
         if isinstance(data.get("moe"), dict):
             data = {**data, "moe": MoEConfig.from_dict(data["moe"])}
@@ -185,17 +190,35 @@ def check_llama_options(cfg: ModelConfig) -> None:
     check(hd is None or (isinstance(hd, int) and hd >= 2), "attn_head_dim", hd, "int >= 2 or None")
     scaling = cfg.rope_scaling
     check(scaling in ROPE_SCALINGS, "rope_scaling", scaling, " | ".join(ROPE_SCALINGS))
-    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                 "rope_beta_fast", "rope_beta_slow", "rope_attention_factor"):  # fmt: skip
+    for name in (
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_beta_fast",
+        "rope_beta_slow",
+        "rope_attention_factor",
+    ):
         value = getattr(cfg, name)
         check(math.isfinite(value) and value > 0, name, value, "must be finite and > 0")
     if scaling in ("llama3", "yarn"):
         orig = cfg.rope_original_max_seq_len
-        check(orig is not None and orig >= 1, "rope_original_max_seq_len", orig,
-              f"must be an int >= 1 with rope_scaling={scaling!r}")  # fmt: skip
+        check(
+            orig is not None and orig >= 1,
+            "rope_original_max_seq_len",
+            orig,
+            f"must be an int >= 1 with rope_scaling={scaling!r}",
+        )
     if scaling == "llama3":
-        check(cfg.rope_high_freq_factor > cfg.rope_low_freq_factor, "rope_high_freq_factor",
-              cfg.rope_high_freq_factor, "must be > rope_low_freq_factor")  # fmt: skip
+        check(
+            cfg.rope_high_freq_factor > cfg.rope_low_freq_factor,
+            "rope_high_freq_factor",
+            cfg.rope_high_freq_factor,
+            "must be > rope_low_freq_factor",
+        )
     if scaling != "yarn":
-        check(cfg.rope_attention_factor == 1.0, "rope_attention_factor",
-              cfg.rope_attention_factor, "only rope_scaling='yarn' scales cos/sin")  # fmt: skip
+        check(
+            cfg.rope_attention_factor == 1.0,
+            "rope_attention_factor",
+            cfg.rope_attention_factor,
+            "only rope_scaling='yarn' scales cos/sin",
+        )

@@ -49,7 +49,7 @@ def test_previous_run_is_not_overwritten(tmp_path, capsys):
 
 def test_bad_override_exits_2(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), "--steps", "0"]) == 2
-    assert "num_steps=0" in capsys.readouterr().err
+    assert "--steps 0 is invalid: must be an int >= 1" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -7,7 +7,7 @@ import torch
 from engine_helpers import tiny_config
 
 from birkhoff.engine import Engine, SamplingParams, TensorSpec
-from birkhoff.engine.layout import SourceError, engine_shapes, is_matmul_weight
+from birkhoff.engine.layout import SourceError, engine_shapes, matmul_weights
 from birkhoff.model import Transformer
 
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -33,7 +33,7 @@ def test_fp8_manifest_and_logprob_drift(model: Transformer) -> None:
     engine = Engine.from_model(model, quantize="fp8")
     manifest = engine.manifest()
     for name, shape in engine_shapes(cfg).items():
-        if is_matmul_weight(name):
+        if name in matmul_weights(cfg):
             assert manifest[name] == TensorSpec(shape, torch.float8_e4m3fn)
             scale = ((shape[0] + 127) // 128, (shape[1] + 127) // 128)
             assert manifest[name + "_scale_inv"] == TensorSpec(scale, torch.float32)
@@ -117,8 +117,8 @@ def test_served_phi_buffers_follow_the_committed_tensors() -> None:
     """With the fused kernels, phi is served from a re-laid buffer (same values); a tensor
     committed again (a refit bank's view, rewritten in place) gets its buffer back, refreshed,
     unless that buffer is being served; every other tensor is served as committed."""
-    cfg = tiny_config(num_streams=2, mhc_kernels="triton")  # served_phi is plain torch: no kernel
-    engine = Engine(cfg)
+    cfg = tiny_config(num_streams=2)
+    engine = Engine(cfg, kernels="triton")  # served_phi is plain torch: no kernel
     gen = torch.Generator().manual_seed(0)
 
     def weights() -> dict[str, torch.Tensor]:

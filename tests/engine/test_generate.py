@@ -97,9 +97,9 @@ def test_drafts_equal_trainer_mtp_after_rollbacks(trained_model: Transformer) ->
     params = [SamplingParams(40, temperature=1.0, num_speculative_tokens=K)] * len(RAGGED)
     cache, drafter = engine.main_cache(), engine.drafter_state()
     run = Generation(
-        cfg=engine.cfg, weights=engine.weights, steps=Steps(), cache=cache,
+        cfg=engine.cfg, weights=engine.records, steps=Steps(), cache=cache,
         drafter=drafter, rows=engine.row_state(), rope=engine.rope, prompts=RAGGED, params=params,
-        max_seq_len=engine.max_seq_len, seed=0,
+        max_seq_len=engine.max_seq_len, seed=0, kernels=engine.kernels,
     )  # fmt: skip
     rows = list(range(len(RAGGED)))
     with torch.inference_mode():

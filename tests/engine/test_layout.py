@@ -8,7 +8,8 @@ import pytest
 import torch
 from engine_helpers import tiny_config
 
-from birkhoff.engine.layout import engine_parts, engine_shapes
+from birkhoff.config import MoEConfig
+from birkhoff.engine.layout import build_manifest, engine_parts, engine_shapes, leaves, load_weights
 from birkhoff.model import Transformer
 
 FUSED = {
@@ -46,7 +47,6 @@ def test_engine_parts_cover_every_trainer_parameter_once(overrides: dict[str, An
 def test_mhc_coefficient_tensors_are_served_in_fp32(quantize: str | None) -> None:
     """phi, alpha and bias of every hyper-connection and contraction stay fp32 in a bf16 (or
     fp8) engine, as the trainer holds them; every other non-matmul tensor is bf16."""
-    from birkhoff.engine.layout import build_manifest
 
     cfg = tiny_config(num_streams=4, mtp_depth=1, qkv_bias=True)
     manifest = build_manifest(cfg, dtype=torch.bfloat16, quantize=quantize)  # type: ignore[arg-type]
@@ -56,3 +56,32 @@ def test_mhc_coefficient_tensors_are_served_in_fp32(quantize: str | None) -> Non
     assert all(manifest[n].dtype == torch.float32 for n in mhc)
     assert manifest["layers.0.attn.wqkv.bias"].dtype == torch.bfloat16
     assert manifest["layers.0.attn_norm.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": True, "num_streams": 1}, {"mtp_depth": 0},
+     {"qkv_bias": True, "attn_out_bias": True, "qk_norm": True},
+     {"moe": MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=8)}],
+)  # fmt: skip
+def test_records_read_exactly_the_manifest(overrides: dict[str, Any], quantize: str | None) -> None:
+    """The forward's typed records are built from the committed name -> tensor dict: every
+    manifest name is read by some field (fp8 scales by their weight's record), none twice (a
+    tied lm_head is the embedding), and every field holds the tensor of its name."""
+    cfg = tiny_config(**overrides)
+    manifest = build_manifest(cfg, dtype=torch.float32, quantize=quantize)  # type: ignore[arg-type]
+    weights = {name: torch.empty(spec.shape, dtype=spec.dtype) for name, spec in manifest.items()}
+    records = load_weights(cfg, weights)
+    read = [id(t) for t in leaves(records)]
+    by_id = {id(t): name for name, t in weights.items()}
+    names = [by_id[i] for i in read]  # a KeyError: a field holds a tensor that is not served
+    tied = names.count("embed.weight") - 1
+    assert tied == int(cfg.tie_embeddings) and len(names) - tied == len(set(names))
+    assert set(names) == set(manifest)
+    assert len(records.layers) == cfg.num_layers and len(records.mtp) == cfg.mtp_depth
+    if quantize:
+        assert (
+            records.layers[0].attn.qkv.scale_inv is weights["layers.0.attn.wqkv.weight_scale_inv"]
+        )
+    assert (records.layers[0].hc_attn is None) == (cfg.num_streams == 1)

@@ -10,7 +10,7 @@ from test_generate import RAGGED, naive_greedy
 from birkhoff.config import MoEConfig
 from birkhoff.engine import Engine, SamplingParams, TensorSpec
 from birkhoff.engine.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
-from birkhoff.engine.layout import engine_parts, engine_shapes, is_matmul_weight
+from birkhoff.engine.layout import engine_parts, engine_shapes, matmul_weights
 from birkhoff.model import Transformer
 from birkhoff.model.moe import MoEFeedForward, expert_load_stats
 
@@ -90,7 +90,9 @@ def test_fp8_covers_every_expert_block_and_never_the_router(moe_model: Transform
     manifest = engine.manifest()
     for name, shape in engine_shapes(moe_model.cfg).items():
         if "router" in name:
-            assert manifest[name] == TensorSpec(shape, torch.float32) and not is_matmul_weight(name)
+            assert manifest[name] == TensorSpec(
+                shape, torch.float32
+            ) and name not in matmul_weights(moe_model.cfg)
         elif "experts." in name or "shared." in name:
             assert manifest[name] == TensorSpec(shape, torch.float8_e4m3fn)
             scales = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))

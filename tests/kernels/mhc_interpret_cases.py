@@ -133,7 +133,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
-    monkeypatch.setattr(coefficients, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program, 3 programs
+    monkeypatch.setattr(coefficients, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")

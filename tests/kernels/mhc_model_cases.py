@@ -1,6 +1,6 @@
 """Whole-model checks with the fused mHC ops, shared by the interpreter and the CUDA tests.
 
-- a train step (loss + every parameter gradient) with mhc_kernels="triton" vs "eager";
+- a train step (loss + every parameter gradient) with kernels="triton" vs "eager";
 - engine greedy tokens (plain and MTP-speculative) with the fused vs the eager ops (mHC, RMSNorm,
   rope);
 - full recompute with safe reclaim: checkpointed blocks rerun the fused kernels, the registry
@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import Kernels, ModelConfig
 from birkhoff.model import Transformer, hyper
 
 
@@ -28,18 +28,15 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
-def build_model(cfg: ModelConfig, device: str) -> Transformer:
-    """The model with every mHC op (contractions included) on `cfg.mhc_kernels`."""
+def build_model(cfg: ModelConfig, device: str, kernels: Kernels) -> Transformer:
+    """The model with every mHC op (contractions included) on `kernels`."""
     torch.manual_seed(0)
     model = Transformer(cfg).to(device)
     with torch.no_grad():  # move alpha away from its 0.01 init so the dynamic path matters
         for name, p in model.named_parameters():
             if name.endswith("alpha"):
                 p.fill_(0.5)
-    for m in model.modules():
-        if isinstance(m, hyper.StreamContraction):
-            m.kernels = cfg.mhc_kernels
-    return model
+    return hyper.apply_kernels(model, kernels)
 
 
 def token_ids(cfg: ModelConfig, device: str, shape: tuple[int, int]) -> Tensor:
@@ -48,9 +45,14 @@ def token_ids(cfg: ModelConfig, device: str, shape: tuple[int, int]) -> Tensor:
 
 
 def loss_and_grads(
-    cfg: ModelConfig, device: str, *, autocast: bool = False, shape: tuple[int, int] = (2, 12)
+    cfg: ModelConfig,
+    device: str,
+    kernels: Kernels,
+    *,
+    autocast: bool = False,
+    shape: tuple[int, int] = (2, 12),
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, kernels)
     ids = token_ids(cfg, device, shape)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext()
     with amp:
@@ -66,12 +68,8 @@ def check_train_step(
     shape: tuple[int, int] = (2, 12),
 ) -> None:  # fmt: skip
     cfg = tiny_config()
-    loss_f, grads_f = loss_and_grads(
-        cfg.replace(mhc_kernels="triton"), device, autocast=autocast, shape=shape
-    )
-    loss_e, grads_e = loss_and_grads(
-        cfg.replace(mhc_kernels="eager"), device, autocast=autocast, shape=shape
-    )
+    loss_f, grads_f = loss_and_grads(cfg, device, "triton", autocast=autocast, shape=shape)
+    loss_e, grads_e = loss_and_grads(cfg, device, "eager", autocast=autocast, shape=shape)
     assert abs(loss_f.item() - loss_e.item()) <= loss_tol * abs(loss_e.item()), (loss_f, loss_e)
     assert grads_f.keys() == grads_e.keys()
     assert any("phi" in n for n in grads_f) and any("contraction.alpha" in n for n in grads_f)
@@ -89,8 +87,8 @@ def check_engine_tokens(device: str, *, num_new: int = 8) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     tokens, sampled = {}, {}
     for kernels in ("triton", "eager"):  # the engine's mHC ops, norms and rope all follow it
-        model = build_model(tiny_config(mtp_depth=2, mhc_kernels=kernels), device)
-        engine = Engine.from_model(model, device=device, dtype=torch.float32)
+        model = build_model(tiny_config(mtp_depth=2), device, kernels)
+        engine = Engine.from_model(model, device=device, dtype=torch.float32, kernels=kernels)
         phis = [n for n in engine.committed if n.endswith(".phi")]
         assert phis and all(torch.equal(engine.weights[n], engine.committed[n]) for n in phis)
         # fused: phi served re-laid for the projection (no transposing launch per step)
@@ -115,9 +113,9 @@ def check_safe_reclaim(device: str, *, shape: tuple[int, int] = (2, 12)) -> None
     from birkhoff.recompute import census, sanitize, track_saved_storages
     from birkhoff.train.recompute import apply_recompute
 
-    cfg = tiny_config(mhc_kernels="triton")
-    ref_loss, ref_grads = loss_and_grads(cfg, device, shape=shape)
-    model = apply_recompute(build_model(cfg, device), reclaim="safe")
+    cfg = tiny_config()
+    ref_loss, ref_grads = loss_and_grads(cfg, device, "triton", shape=shape)
+    model = apply_recompute(build_model(cfg, device, "triton"), reclaim="safe")
     ids = token_ids(cfg, device, shape)
     with sanitize():
         with track_saved_storages() as registry:

@@ -107,8 +107,8 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
                 self.gemv_shapes.add((x.numel() // w.shape[1], *w.shape))
             return func(*args, **(kwargs or {}))
 
-    model = build_model(tiny_config(mtp_depth=1, mhc_kernels="triton"), "cpu")
-    engine = Engine.from_model(model, device="cpu", dtype=torch.float32)
+    model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
+    engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
     D = model.cfg.dim
     with Calls() as calls:  # two rows, verify and draft chunks of 2-3 positions
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
@@ -165,8 +165,10 @@ def test_fp8_engine_decodes_through_the_fp8_gemv(monkeypatch: pytest.MonkeyPatch
     from birkhoff.kernels import fp8_matmul
     from birkhoff.kernels import gemv as gemv_module
 
-    model = build_model(tiny_config(mtp_depth=0, mhc_kernels="triton", dim=128), "cpu")
-    engine = Engine.from_model(model, device="cpu", dtype=torch.float32, quantize="fp8")
+    model = build_model(tiny_config(mtp_depth=0, dim=128), "cpu", "triton")
+    engine = Engine.from_model(
+        model, device="cpu", dtype=torch.float32, quantize="fp8", kernels="triton"
+    )
     scaled = []
     real = gemv_module.gemv
 
@@ -206,8 +208,8 @@ def test_a_fused_plain_step_launches_only_the_layers_chunk_embedding_and_samplin
     steps: defaultdict[str, list[Counter[str]]] = defaultdict(list)
     monkeypatch.setattr(decode_module, "plain_step",
                         counted(decode_module.plain_step, "plain", steps))  # fmt: skip
-    model = build_model(tiny_config(mtp_depth=1, mhc_kernels="triton"), "cpu")
-    engine = Engine.from_model(model, device="cpu", dtype=torch.float32)
+    model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
+    engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3))
     ops = sum(steps["plain"], Counter())
     fused = sum(n for name, n in ops.items() if name.startswith("birkhoff."))

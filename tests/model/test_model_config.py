@@ -34,3 +34,15 @@ def test_derived_fields_and_json_round_trip() -> None:
     assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
     with pytest.raises(ValueError, match="unknown field"):
         ModelConfig.from_dict({**BASE, "colour": 1})
+
+
+def test_a_config_saved_with_the_retired_kernel_field_still_loads() -> None:
+    """The kernel choice is a runtime option now (TrainConfig.kernels, Engine(kernels=...));
+    model configs written before hold `mhc_kernels`, which loading drops."""
+    from birkhoff.train.config import TrainConfig
+
+    assert ModelConfig.from_dict({**BASE, "mhc_kernels": "eager"}) == ModelConfig(**BASE)  # type: ignore[arg-type]
+    assert "mhc_kernels" not in ModelConfig(**BASE).to_json()  # type: ignore[arg-type]
+    assert TrainConfig(kernels="eager").kernels == "eager"
+    with pytest.raises(ValueError, match="kernels='cuda'"):
+        TrainConfig(kernels="cuda")  # type: ignore[arg-type]

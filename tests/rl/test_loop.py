@@ -11,6 +11,8 @@ from birkhoff.cli import main
 from birkhoff.presets import Preset, tiny_cpu
 from birkhoff.rl.loop import GRPORun
 from birkhoff.rl.rollout import StaleRolloutError
+from birkhoff.runtime.stop import StopFlag
+from birkhoff.train.step import train_step
 
 
 def small_preset(**rl_changes: object) -> Preset:
@@ -140,6 +142,79 @@ def test_resume_from_an_older_checkpoint_writes_no_duplicate_row(tmp_path: Path)
     keys = [(r["phase"], r["step"]) for r in resumed.log.rows()]
     assert len(keys) == len(set(keys)), keys
     assert deterministic(resumed.log.rows()) == deterministic(full.log.rows())
+
+
+@pytest.fixture(scope="module")
+def full_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The deterministic rows of the uninterrupted small_preset() run (one thread, as every
+    test runs: another thread count sums in another order)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    full = GRPORun(small_preset(), tmp_path_factory.mktemp("full"), device="cpu")
+    full.run(progress=False)
+    torch.set_num_threads(before)
+    return deterministic(full.log.rows())
+
+
+def stop_during_steps(monkeypatch: pytest.MonkeyPatch, flag: StopFlag, steps: set[int]) -> None:
+    """Raise `flag` in the middle of each step in `steps` (inside its update), as a signal
+    arriving then would."""
+    import birkhoff.rl.loop
+    import birkhoff.train.loop
+
+    def train_step_then_stop(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        if kwargs["step"] in steps:
+            flag.request("SIGINT")
+        return out
+
+    monkeypatch.setattr(birkhoff.rl.loop, "train_step", train_step_then_stop)
+    monkeypatch.setattr(birkhoff.train.loop, "train_step", train_step_then_stop)
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [(0,), (2,), (3,), (4, 5), (1, 6)],
+    ids=["first-warmup-step", "mid-warmup", "last-warmup-step", "grpo-twice", "warmup-and-grpo"],
+)
+def test_stop_and_resume_repeat_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stops: tuple[int, ...], full_rows: list[dict]
+) -> None:
+    # steps 0-3 warm-up (checkpoints after 2 and 4), 4-7 GRPO (after 6 and 8)
+    for k in stops:
+        run = GRPORun(small_preset(), tmp_path / "part", device="cpu")
+        if (tmp_path / "part" / "checkpoint").exists():
+            run.resume()
+        flag = StopFlag()
+        stop_during_steps(monkeypatch, flag, {k})
+        run.run(progress=False, stop=flag)
+        assert (run.stopped_by, run.step, run.checkpoint_step) == ("SIGINT", k + 1, k + 1)
+        monkeypatch.undo()
+    resumed = GRPORun(small_preset(), tmp_path / "part", device="cpu")
+    resumed.resume()
+    assert resumed.step == stops[-1] + 1
+    resumed.run(progress=False)
+    assert resumed.stopped_by is None and resumed.step == resumed.total_steps
+    assert deterministic(resumed.log.rows()) == full_rows
+
+
+def test_a_stop_before_the_first_step_checkpoints_step_0(tmp_path: Path) -> None:
+    flag = StopFlag()
+    flag.request("SIGTERM")  # arrived while the run was being built
+    run = GRPORun(small_preset(), tmp_path, device="cpu")
+    assert run.run(progress=False, stop=flag) == []
+    assert (run.stopped_by, run.checkpoint_step) == ("SIGTERM", 0)
+    resumed = GRPORun(small_preset(), tmp_path, device="cpu")
+    resumed.resume()
+    assert resumed.step == 0
+
+
+def test_warmup_writes_checkpoints(tmp_path: Path) -> None:
+    run = GRPORun(small_preset(num_steps=0), tmp_path, device="cpu")
+    saved = []
+    run.save = lambda: saved.append(run.step)  # type: ignore[method-assign]
+    run.run(progress=False)
+    assert saved == [2, 4]
 
 
 def test_kl_to_frozen_reference_and_resume(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,46 @@ def test_cli_stops_a_run_whose_verifier_keeps_failing(
     assert "run stopped at step" in err and "failing_checks:check failed on" in err
     assert "ZeroDivisionError" in err and "Traceback" not in err.splitlines()[-1]
     sys.modules.pop("failing_checks", None)
+
+
+def chat_tokenizer(directory: Path):  # type: ignore[no-untyped-def]
+    """A small byte-level BPE tokenizer with a ChatML template (prompts through it)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from birkhoff.interop.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["Using the numbers <answer>(1 + 2) * 3</answer>"] * 10, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    config = {"eos_token": "<|im_end|>", "pad_token": "<pad>", "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return HFTokenizer.from_dir(directory, chat=True)
+
+
+def test_chat_tokenizer_gets_chat_prompts_and_free_text_room(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from birkhoff.tasks.batches import prompt_ids
+    from birkhoff.tasks.problems import get_task
+
+    tok = chat_tokenizer(tmp_path)
+    base = get_preset("tiny-cpu")
+    base = base.replace(model=base.model.replace(vocab_size=tok.vocab_size, max_seq_len=1024))
+    preset = task_inputs(base, "countdown", tokenizer=tok, fresh_model=False, max_new_tokens=None)
+    assert preset.task_options == {"style": "chat"}
+    assert preset.rl is not None and preset.rl.max_new_tokens == 256
+    task = get_task(preset.task, **preset.task_options)
+    assert task.stop == ("</answer>",)
+    problem = task.sample(random.Random(0))
+    ids = prompt_ids(problem, tok)
+    assert ids == tok.encode_chat([{"role": "user", "content": problem.prompt}])
+    assert ids[0] == tok.token_id("<|im_start|>", "im_start")  # the template frames the prompt

@@ -53,7 +53,9 @@ def test_separate_eval_file(tmp_path: Path) -> None:
     [
         ("{not json", "invalid JSON"),
         ('["prompt", "answer"]', "expected a JSON object, got list"),
-        ('{"answer": "1"}', "'prompt' must be a string"),
+        ('{"answer": "1"}', "no 'prompt' key"),
+        ('{"prompt": "1+1="}', "no 'answer' key"),
+        ('{"question": "1+1="}', "no 'prompt' and no 'answer' key"),
         ('{"prompt": "  ", "answer": "1"}', "'prompt' is empty"),
         ('{"prompt": "1+1=", "answer": null}', "'answer' must be a string or a number"),
         ('{"prompt": "1+1=", "answer": true}', "'answer' must be a string or a number"),

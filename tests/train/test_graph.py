@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import Kernels, ModelConfig
 from birkhoff.model import Transformer
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.tasks.batches import SupervisedBatch, build_supervised_batch
 from birkhoff.tasks.problems import AdditionTask, sample_problems, step_rng
 from birkhoff.tokenizer import CharTokenizer
@@ -27,11 +28,12 @@ from birkhoff.train.recompute import compile_blocks
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def tiny_model(device: str = "cpu", **kw) -> Transformer:
+def tiny_model(device: str = "cpu", *, kernels: Kernels = "auto", **kw) -> Transformer:
     torch.manual_seed(0)
     cfg = dict(vocab_size=CharTokenizer().vocab_size, dim=32, num_layers=2, num_heads=2,
                num_streams=4, mtp_depth=1, max_seq_len=64)  # fmt: skip
-    return Transformer(ModelConfig(**(cfg | kw))).to(device)
+    model = Transformer(ModelConfig(**(cfg | kw))).to(device)
+    return apply_kernels(model, kernels)
 
 
 def addition_batch(n: int, digits: int, seed: int = 0) -> SupervisedBatch:
@@ -103,7 +105,7 @@ def test_weight_addresses_see_every_way_a_weight_moves() -> None:
     """The per-call check behind recapture: `p.data = t`, a parameter replaced in its module and
     a reassigned buffer change the addresses; copying new values in (a loaded state dict) and
     an optimizer step do not."""
-    model = tiny_model(mhc_kernels="eager")
+    model = tiny_model(kernels="eager")
     model.register_buffer("scale", torch.ones(3))
     slots = weight_slots(model)
     held = {id(registry[name]) for registry, name in slots if registry[name] is not None}
@@ -131,7 +133,7 @@ def test_weight_addresses_see_every_way_a_weight_moves() -> None:
 def test_graphed_steps_equal_plain_steps_in_fp64(max_graphs: int) -> None:
     """Two batch shapes, alternating (max_graphs=1 drops and recaptures each time): every
     step's metrics and the final parameters equal the plain steps' bit for bit."""
-    plain = tiny_model("cuda", mhc_kernels="eager").double()
+    plain = tiny_model("cuda", kernels="eager").double()
     graphed = copy.deepcopy(plain)
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=8, cuda_graph=True)
     batches = [addition_batch(8, 1 + s % 2, seed=s) for s in range(5)]
@@ -149,7 +151,7 @@ def test_graphed_steps_equal_plain_steps_in_fp64(max_graphs: int) -> None:
 def test_a_moved_parameter_is_captured_again() -> None:
     """`p.data = ...` moves a parameter: the graphs read the old address, so the next call must
     capture again and give the plain step's result on the new values."""
-    plain = tiny_model("cuda", mhc_kernels="eager").double()
+    plain = tiny_model("cuda", kernels="eager").double()
     graphed = copy.deepcopy(plain)
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, num_steps=4, cuda_graph=True)
     graphs = StepGraphs(graphed, supervised_loss, cfg)
@@ -191,7 +193,7 @@ def test_graphed_compiled_fused_bf16_steps_match_plain() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_bad_ids_a_held_gradient_or_a_host_sync_fail_clearly() -> None:
-    model = tiny_model("cuda", mhc_kernels="eager")
+    model = tiny_model("cuda", kernels="eager")
     cfg = TrainConfig(cuda_graph=True)
     graphs = StepGraphs(model, supervised_loss, cfg)
     batch = addition_batch(2, 1).to("cuda")
@@ -233,7 +235,7 @@ def test_the_supervised_loop_pads_batches_for_its_graphs(monkeypatch: pytest.Mon
             return loss.detach(), metrics
 
     def rows(cfg: TrainConfig) -> list[dict[str, float]]:
-        model = tiny_model(mhc_kernels="eager").double()
+        model = tiny_model(kernels="eager").double()
         task, opt = AdditionTask(2), build_optimizer(model, cfg)
         out = loop.supervised_steps(model, opt, task, CharTokenizer(), cfg, steps=range(3))
         return [{k: v for k, v in r.items() if not k.endswith("_s") and "mem" not in k}

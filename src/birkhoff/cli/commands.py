@@ -11,8 +11,16 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from birkhoff.cli import consolidate, generate, hf, run, train
-from birkhoff.cli.common import EXIT_USAGE, UsageError
+from birkhoff.cli import consolidate, evaluate, generate, hf, presets, run, train
+from birkhoff.cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    HelpFormatter,
+    RunFailed,
+    UsageError,
+)
+from birkhoff.cli.config import dotted_overrides
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 
@@ -23,6 +31,16 @@ SUBCOMMANDS: dict[str, tuple[str, AddArguments, Callable[..., int]]] = {
         "supervised warm-up, then GRPO with the engine in the loop",
         run.add_arguments,
         run.run,
+    ),
+    "eval": (
+        "a checkpoint on a task or a JSONL file: pass@1, pass@k, reward, tokens/s",
+        evaluate.add_arguments,
+        evaluate.run,
+    ),
+    "presets": (
+        "list the presets, or print one's settings as TOML",
+        presets.add_arguments,
+        presets.run,
     ),
     "consolidate": (
         "write a sharded checkpoint as one safetensors checkpoint",
@@ -43,25 +61,44 @@ SUBCOMMANDS: dict[str, tuple[str, AddArguments, Callable[..., int]]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from birkhoff import cli
+    from birkhoff import __version__, cli
 
     assert cli.__doc__ is not None
     parser = argparse.ArgumentParser(prog="birkhoff", description=cli.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"birkhoff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, run_command) in SUBCOMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         add_arguments(command)
         command.set_defaults(run=run_command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.argv = argv  # `birkhoff run` prints the command that resumes it
+    if extra:  # `--rl.lr 1e-4`: only where the command takes settings
+        if not hasattr(args, "dotted"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            args.dotted = dotted_overrides(extra)
+        except ValueError as err:
+            parser.error(str(err))
     try:
         return int(args.run(args))
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as err:
+        print(f"birkhoff {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # outside a run's steps (those stop at a step boundary)
+        print(f"\nbirkhoff {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         end_process_group()
 

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 class UsageError(Exception):
     """A user error the CLI reports as one line with exit code 2."""
+
+
+class RunFailed(Exception):
+    """A run that could not go on (e.g. non-finite losses); one line, exit code 1."""
 
 
 def resolve_device(name: str) -> str:
@@ -29,13 +36,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+OVERWRITE_HINT = "pass --overwrite to replace"
+
+
+def prepare_out_dir(
+    out: Path, *, overwrite: bool, outputs: tuple[str, ...], hint: str = OVERWRITE_HINT
+) -> None:
     """Create `out` (if needed) and check it is writable and holds no previous run's outputs."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
     clashes = [name for name in outputs if (out / name).exists()]
     if clashes and not overwrite:
-        raise UsageError(f"--out {out}: already holds {clashes}; pass --overwrite to replace")
+        raise UsageError(f"--out {out}: already holds {clashes}; {hint}")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-probe-{os.getpid()}"
@@ -47,12 +59,26 @@ def prepare_out_dir(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by the jobs that train (`train`, `run`)."""
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: cuda when available",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the preset's num_threads)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous run")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
-                        help="torchrun only: nccl on cuda, gloo on cpu by default")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "nccl", "gloo"),
+        help="torchrun only: nccl on cuda, gloo on cpu by default",
+    )
 
 
 def start_job(args: argparse.Namespace, config: Any, *, num_items: int, what: str) -> str:
@@ -79,14 +105,16 @@ def start_job(args: argparse.Namespace, config: Any, *, num_items: int, what: st
     return str(ctx.device)
 
 
-def prepare_on_main(out: Path, *, overwrite: bool, outputs: tuple[str, ...]) -> None:
+def prepare_on_main(
+    out: Path, *, overwrite: bool, outputs: tuple[str, ...], hint: str = OVERWRITE_HINT
+) -> None:
     """`prepare_out_dir` on rank 0; its verdict stops every rank alike (one process: itself)."""
     from birkhoff.runtime import distributed
 
     error = None
     if distributed.current().is_main:
         try:
-            prepare_out_dir(out, overwrite=overwrite, outputs=outputs)
+            prepare_out_dir(out, overwrite=overwrite, outputs=outputs, hint=hint)
         except UsageError as err:
             error = str(err)
     try:
@@ -107,3 +135,32 @@ def set_threads(device: str, threads: int | None) -> None:
 
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help with each flag's default (when it has one) and the preset names, read when help is
+    printed (so building the parser imports no config)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.dest == "preset" and action.option_strings:
+            from birkhoff.presets import PRESETS
+
+            text += f" ({' | '.join(PRESETS)}; `birkhoff presets` describes them)"
+        default = action.default
+        setting = re.match(r"(model|train|rl)\.\w+", text)
+        if default is None and setting:  # a dedicated flag for a setting
+            text += f" (default: the preset's; tiny-cpu: {default_setting(setting[0])})"
+        elif action.option_strings and default not in (None, False, [], argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def default_setting(path: str) -> object:
+    """The value of setting `path` in the default preset (tiny-cpu)."""
+    from birkhoff.presets import tiny_cpu
+
+    value: object = tiny_cpu()
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value

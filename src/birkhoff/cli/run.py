@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
+    OVERWRITE_HINT,
+    RunFailed,
     UsageError,
     add_job_arguments,
     is_main,
@@ -19,31 +21,38 @@ from birkhoff.cli.common import (
     set_threads,
     start_job,
 )
+from birkhoff.cli.config import add_config_arguments, preset_from_args
 
 if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
+    from birkhoff.rl.loop import GRPORun
+    from birkhoff.runtime.stop import StopFlag
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--preset", default="tiny-cpu", help="tiny-cpu | tiny-cpu-moe | h200-grpo | h200-grpo-moe"
-    )
+    parser.add_argument("--preset", default="tiny-cpu", help="the run's settings")
     parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="supervised steps")
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
-    parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="rl.warmup_steps")
+    parser.add_argument("--steps", type=int, default=None, help="rl.num_steps (GRPO steps)")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed")
     add_input_arguments(parser)
+    add_config_arguments(parser)
     stop_help = "stop (checkpointed) after this global step; --resume later"
     parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
     add_job_arguments(parser)
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    """What the run reads: a start checkpoint, a JSONL or generated task (birkhoff.rl.inputs)."""
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="completion length")
+    """What the run reads: a start checkpoint, a JSONL or generated task (rl.inputs)."""
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="rl.max_new_tokens (with --data: room for the longest answer)",
+    )
     parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint")
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
@@ -57,31 +66,41 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
     """The preset of `birkhoff run`'s flags and GRPORun's keyword arguments (run_inputs)."""
     from birkhoff.rl.inputs import run_inputs
 
-    return run_inputs(preset_from_args(args), init=args.init, data=args.data,
-                      verifier=args.verifier, eval_data=args.eval_data,
-                      max_new_tokens=args.max_new_tokens, task=args.task)  # fmt: skip
+    return run_inputs(
+        run_preset(args),
+        init=args.init,
+        data=args.data,
+        verifier=args.verifier,
+        eval_data=args.eval_data,
+        max_new_tokens=args.max_new_tokens,
+        task=args.task,
+    )
 
 
-def preset_from_args(args: argparse.Namespace) -> Preset:
-    """The preset with the command line's overrides; ValueError for bad values."""
-    from birkhoff.presets import get_preset
+FLAGS = {  # dedicated flag -> setting
+    "warmup_steps": "rl.warmup_steps",
+    "steps": "rl.num_steps",
+    "max_new_tokens": "rl.max_new_tokens",
+    "seed": "train.seed",
+}
 
-    preset = get_preset(args.preset)
+
+def run_preset(args: argparse.Namespace) -> Preset:
+    """The preset with the command line's settings; ValueError for bad values."""
+    preset = preset_from_args(args, args.preset, FLAGS)
     if preset.rl is None:
         raise ValueError(f"preset={args.preset!r} has no RL config")
-    rl_overrides = {"warmup_steps": args.warmup_steps, "num_steps": args.steps,
-                    "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    rl = preset.rl.replace(**{k: v for k, v in rl_overrides.items() if v is not None})
-    train = preset.train if args.seed is None else preset.train.replace(seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    return preset.replace(rl=rl, train=train)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out, --overwrite replaces it: pass one")
+    return preset
 
 
 def run(args: argparse.Namespace) -> int:
-    from birkhoff.runtime.checkpoint import CheckpointError
+    from birkhoff.runtime.stop import StopFlag, stop_on_signals
 
     try:
         preset, inputs = inputs_from_args(args)
@@ -93,13 +112,30 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not (out / "checkpoint").is_dir():
             raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
+        for line in resume_notes(out / "checkpoint", preset):
+            print(line)
     else:
-        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
+        resumable = (out / "checkpoint").is_dir()
+        hint = "pass --resume to continue it or --overwrite to replace it"
+        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS,
+                        hint=hint if resumable else OVERWRITE_HINT)  # fmt: skip
         if is_main():
             (out / "metrics.jsonl").unlink(missing_ok=True)
+    with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
+        return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)
 
+
+def run_grpo(
+    args: argparse.Namespace, preset: Preset, inputs: dict[str, Any], *, out: Path, device: str,
+    flag: StopFlag,
+) -> int:  # fmt: skip
+    """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     from birkhoff.rl.loop import GRPORun
+    from birkhoff.runtime.checkpoint import CheckpointError
     from birkhoff.runtime.metrics import plot_run
+    from birkhoff.runtime.stop import exit_code, resume_command
+    from birkhoff.tasks.guard import VerifierFailureError
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     grpo = GRPORun(preset, out, device=device, **inputs)
@@ -108,17 +144,41 @@ def run(args: argparse.Namespace) -> int:
             grpo.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-    from birkhoff.tasks.guard import VerifierFailureError
-
+        if args.stop_after is not None and args.stop_after <= grpo.step:
+            raise UsageError(f"--stop-after {args.stop_after}: the checkpoint already holds "
+                             f"step {grpo.step}")  # fmt: skip
+        if is_main():
+            print(resume_line(grpo, out))
+        if grpo.step == grpo.total_steps:
+            return 0
     try:
-        grpo.run(stop_after=args.stop_after, progress=not args.no_progress)
+        grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
+    except NonFiniteError as err:
+        raise RunFailed(f"run stopped: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
-        for line in run_summary(grpo.log.rows(), out):
-            print(line)
-    return 0
+        if grpo.stopped_by is not None:
+            command = resume_command(args.argv, reason=grpo.stopped_by,
+                                     world_size=grpo.dist.world_size)  # fmt: skip
+            print(f"stopped ({grpo.stopped_by}): {out / 'checkpoint'} holds step {grpo.step} "
+                  f"of {grpo.total_steps}; resume with: {command}", flush=True)  # fmt: skip
+        else:
+            for line in run_summary(grpo.log.rows(), out):
+                print(line)
+    return exit_code(grpo.stopped_by)
+
+
+def resume_line(grpo: GRPORun, out: Path) -> str:
+    """Where a resumed run continues from (or that it is finished)."""
+    warmup, total = grpo.rl.warmup_steps, grpo.total_steps
+    if grpo.step == total:
+        return (f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
+                "(raise --steps to continue it)")  # fmt: skip
+    phase = (f"warm-up step {grpo.step + 1} of {warmup}" if grpo.step < warmup
+             else f"GRPO step {grpo.step - warmup + 1} of {grpo.rl.num_steps}")  # fmt: skip
+    return f"resuming {out} at step {grpo.step + 1} of {total} ({phase})"
 
 
 def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
@@ -144,3 +204,41 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
             f"refit {mean('refit_s') * 1e3:.1f}ms per step"
         )
     return lines
+
+
+IDENTITY = ("name", "task", "task_options", "model")  # what a resumed run may not change
+MAX_DIFF_LINES = 8
+
+
+def resume_notes(path: Path, preset: Preset) -> list[str]:
+    """Compare `preset` with the config the checkpoint recorded: a changed model or task is a
+    UsageError with a field-by-field diff; changed run-time settings give a note."""
+    import json
+
+    from birkhoff.overrides import as_settings, flatten
+    from birkhoff.runtime.checkpoint import CheckpointError
+    from birkhoff.runtime.dcp import checkpoint_extra
+
+    try:
+        recorded = checkpoint_extra(path).get("config")
+    except CheckpointError as err:
+        raise UsageError(f"--resume: {err}") from err
+    if not isinstance(recorded, dict):  # written before checkpoints recorded their config
+        return []
+    before = flatten(recorded)
+    now = flatten(json.loads(json.dumps(as_settings(preset))))
+    # settings on one side only are fields added or removed since: not the run's to compare
+    changed = [k for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    lines = [f"  {k}: {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in changed]
+    fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
+    if fixed:
+        more = len(fixed) - MAX_DIFF_LINES
+        shown = fixed[:MAX_DIFF_LINES] + ([f"  ... and {more} more"] if more > 0 else [])
+        raise UsageError(
+            f"{path} holds a run of another model or task (checkpoint -> now):\n"
+            + "\n".join(shown)
+            + "\nresume with the checkpoint's settings, or start a new --out"
+        )
+    if lines:
+        return ["--resume: settings changed since the checkpoint (checkpoint -> now):", *lines]
+    return []

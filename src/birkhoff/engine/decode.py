@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.forward import Weights
 from birkhoff.engine.graphs import Steps
 from birkhoff.engine.kv_cache import DrafterState, KVCache
+from birkhoff.engine.layout import Weights
 from birkhoff.engine.rng import RequestRandom
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams, is_filtered
@@ -87,7 +87,7 @@ class Generation:
         self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
         drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
         prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
-        detokenize: Detokenize | None = None,
+        kernels: str, detokenize: Detokenize | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
@@ -104,7 +104,9 @@ class Generation:
         self.finish: list[str | None] = [None] * R
         self.texts = [None if detokenize is None else StopText(p.stop, detokenize) for p in params]
         self.stats = SpecStats(self.num_drafts)
-        self.ctx = StepContext(weights, cfg, cache, drafter, rows, rope, self.num_drafts, False)
+        self.ctx = StepContext(
+            weights, cfg, kernels, cache, drafter, rows, rope, self.num_drafts, False
+        )
         self.any_filtered = any(map(is_filtered, params))  # False: every step runs with ctx
 
     def run(self) -> list[Completion]:

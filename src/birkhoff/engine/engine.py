@@ -1,23 +1,13 @@
 """The inference engine: owns its weights in inference layout, generates with a KV cache.
 
-Weights: `engine.weights` is a flat dict in the engine's own layout (engine/layout.py: fused
-q/k/v and gate/up, the MTP drafter included); every forward reads weights from it by name, so a
-commit (one dict assignment) swaps every weight at once, and a generate call in flight keeps the
-dict it started with. `manifest()` lists every served tensor (TensorSpec: shape, dtype).
-Loading: `from_model` builds an engine and serves a model's current weights (cast, or fp8
-quantized, by the same functions a refit uses); `birkhoff.refit` updates them later.
-
-Versions: `weight_version` is -1 until weights are loaded; the first commit (e.g. `from_model`)
-makes it 0 and every later commit (a refit) adds one. Completions record the version they were
-generated with.
-
-Caches and per-row state (rows.py) are allocated once, at the engine's maximum batch size and
-sequence length, on the first generate call that needs them (the drafter's caches on the first
-speculative call), and reused.
-A call takes any number of prompts: `max_batch_size` rows decode at once and a finished row is
-refilled with the next waiting prompt (continuous batching, scheduler.py).
-`cuda_graphs` (default: on for CUDA) replays plain and speculative steps from CUDA graphs
-(graphs.py); the eager path is the reference and the only one on CPU.
+Weights: `engine.weights` is the flat name -> tensor dict of the manifest (engine/layout.py:
+fused q/k/v and gate/up, the MTP drafter included) and `engine.records` the same tensors as typed
+records (`layout.Weights`), which the forward reads. A commit swaps both at once (one
+assignment), and a generate call in flight keeps what it started with. Versions:
+`weight_version` is -1 until weights are loaded, 0 after the first commit, +1 per refit.
+Caches and per-row state are allocated once, at the engine's maximum batch size and sequence
+length; a call takes any number of prompts (continuous batching). `kernels` picks the fused
+Triton ops ("auto": on CUDA); `cuda_graphs` replays steps from CUDA graphs (default on CUDA).
 Left out: paged KV, tensor parallel.
 """
 
@@ -26,11 +16,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from birkhoff.config import ModelConfig, check
+from birkhoff.config import KERNELS, Kernels, ModelConfig, check
 from birkhoff.engine.decode import Completion, Generation
 from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.engine.graphs import GraphPool, GraphSteps, Steps
@@ -38,8 +29,10 @@ from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
 from birkhoff.engine.layout import (
     Quantize,
     TensorSpec,
+    Weights,
     build_manifest,
     engine_parts,
+    load_weights,
     trainer_tensors,
 )
 from birkhoff.engine.rng import MAX_DRAFTS
@@ -49,6 +42,13 @@ from birkhoff.engine.speculative import SpecStats
 from birkhoff.engine.stop import Detokenize
 from birkhoff.kernels import use_fused
 from birkhoff.model.layers import rope_tables
+
+
+class Served(NamedTuple):
+    """What a commit serves: the flat tensors by name, and the same tensors as records."""
+
+    weights: dict[str, Tensor]
+    records: Weights | None
 
 
 class Engine:
@@ -63,8 +63,10 @@ class Engine:
         max_seq_len: int | None = None,
         max_speculative_tokens: int = 4,
         cuda_graphs: bool | None = None,
+        kernels: Kernels = "auto",
     ) -> None:
         check(quantize in (None, "fp8"), "quantize", quantize, "None | 'fp8'")
+        check(kernels in KERNELS, "kernels", kernels, " | ".join(KERNELS))
         check(
             dtype.is_floating_point and dtype.itemsize >= 2, "dtype", dtype, "bf16/fp16/fp32/fp64"
         )
@@ -76,8 +78,12 @@ class Engine:
             0 <= spec <= MAX_DRAFTS, "max_speculative_tokens", spec, f"must be in [0, {MAX_DRAFTS}]"
         )
         graphs = torch.device(device).type == "cuda" if cuda_graphs is None else cuda_graphs
-        check(not graphs or torch.device(device).type == "cuda", "cuda_graphs", cuda_graphs,
-              "needs a CUDA device")  # fmt: skip
+        check(
+            not graphs or torch.device(device).type == "cuda",
+            "cuda_graphs",
+            cuda_graphs,
+            "needs a CUDA device",
+        )
         self.cfg, self.device, self.dtype, self.quantize = (
             cfg,
             torch.device(device),
@@ -89,8 +95,9 @@ class Engine:
             seq,
             spec,
         )
+        self.kernels = kernels
         self._manifest = build_manifest(cfg, dtype=dtype, quantize=quantize)
-        self.weights: dict[str, Tensor] = {}  # nothing served before the first commit
+        self.served = Served({}, None)  # nothing served before the first commit
         self.committed: dict[str, Tensor] = {}  # the tensors as committed (weights reads them)
         # per phi name, (committed tensor, the buffer serving it) for the last two commits
         self._phi_buffers: dict[str, list[tuple[Tensor, Tensor]]] = {}
@@ -121,6 +128,18 @@ class Engine:
     def manifest(self) -> dict[str, TensorSpec]:
         return dict(self._manifest)
 
+    @property
+    def weights(self) -> dict[str, Tensor]:
+        """The served tensors by manifest name."""
+        return self.served.weights
+
+    @property
+    def records(self) -> Weights:
+        """The served tensors as the forward reads them (engine/layout.py's records)."""
+        if self.served.records is None:
+            raise ValueError("engine has no weights loaded (use Engine.from_model or refit)")
+        return self.served.records
+
     def commit_weights(self, new: dict[str, Tensor]) -> int:
         """Serve `new` from now on; returns the new version.
 
@@ -130,7 +149,8 @@ class Engine:
         """
         assert new.keys() == self._manifest.keys(), "committed names differ from the manifest"
         served = {n: self._serve(n, t) for n, t in new.items()}
-        self.weights = served  # one assignment: readers see the old or the new dict, never a mix
+        # one assignment: readers see the old or the new weights, never a mix
+        self.served = Served(served, load_weights(self.cfg, served))
         self.committed = dict(new)
         self.weight_version += 1
         return self.weight_version
@@ -144,7 +164,7 @@ class Engine:
         keyed by the served addresses, so phi's buffer follows its bank: a tensor committed
         before gets its buffer back, refreshed (not served since: the bank was not), and the
         graphs captured on it stay valid."""
-        if not (name.endswith(".phi") and use_fused(tensor, self.cfg.mhc_kernels)):
+        if not (name.endswith(".phi") and use_fused(tensor, self.kernels)):
             return tensor
         from birkhoff.kernels.mhc import served_phi
 
@@ -158,9 +178,12 @@ class Engine:
         return buffer
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams],
-        *, detokenize: Detokenize | None = None,
-    ) -> list[Completion]:  # fmt: skip
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        detokenize: Detokenize | None = None,
+    ) -> list[Completion]:
         """Complete every prompt (any number of them; completions in prompt order); `params` is
         one SamplingParams or one per prompt. With a seed, completion i is a function of
         (weights, prompt i, params i, seed, i) only, whatever else shares its batch.
@@ -169,18 +192,28 @@ class Engine:
         per_row = self.check_request(prompts, params)
         if detokenize is None and any(p.stop for p in per_row):
             raise ValueError("SamplingParams.stop needs generate(..., detokenize=...)")
-        weights, version = self.weights, self.weight_version
+        served, version = self.served, self.weight_version
         num_drafts = per_row[0].num_speculative_tokens
         seed = per_row[0].seed
         with torch.inference_mode():
             cache, drafter = self.main_cache(), self.drafter_state() if num_drafts else None
-            steps = Steps() if self.graphs is None else GraphSteps(self.graphs, weights)
+            steps = Steps() if self.graphs is None else GraphSteps(self.graphs, served.weights)
+            assert served.records is not None  # check_request: weights are loaded
             run = Generation(
-                cfg=self.cfg, weights=weights, steps=steps, cache=cache, drafter=drafter,
-                rows=self.row_state(), rope=self.rope, prompts=[list(p) for p in prompts],
-                params=per_row, max_seq_len=self.max_seq_len,
-                seed=secrets.randbits(63) if seed is None else seed, detokenize=detokenize,
-            )  # fmt: skip
+                cfg=self.cfg,
+                weights=served.records,
+                steps=steps,
+                cache=cache,
+                drafter=drafter,
+                rows=self.row_state(),
+                rope=self.rope,
+                prompts=[list(p) for p in prompts],
+                params=per_row,
+                max_seq_len=self.max_seq_len,
+                seed=secrets.randbits(63) if seed is None else seed,
+                kernels=self.kernels,
+                detokenize=detokenize,
+            )
             completions = run.run()
         self.last_stats = run.stats if num_drafts else None
         return [replace(c, weight_version=version) for c in completions]
@@ -189,15 +222,20 @@ class Engine:
         if self._cache is None:
             cfg = self.cfg
             self._cache = KVCache(
-                cfg.num_layers, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                cfg.num_layers,
+                self.max_batch_size,
+                cfg.kv_heads,
+                self.capacity,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
         return self._cache
 
     def row_state(self) -> RowState:
         if self._rows is None:
             self._rows = RowState.build(
-                self.max_batch_size, self.capacity, self.device, kernels=self.cfg.mhc_kernels
+                self.max_batch_size, self.capacity, self.device, kernels=self.kernels
             )
         return self._rows
 
@@ -205,13 +243,23 @@ class Engine:
         if self._drafter is None:
             cfg, n = self.cfg, self.max_speculative_tokens
             cache = KVCache(
-                n, self.max_batch_size, cfg.kv_heads, self.capacity, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                n,
+                self.max_batch_size,
+                cfg.kv_heads,
+                self.capacity,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             streams = StreamBuffer(
-                n, self.max_batch_size, self.capacity, cfg.num_streams, cfg.dim,
-                dtype=self.dtype, device=self.device,
-            )  # fmt: skip
+                n,
+                self.max_batch_size,
+                self.capacity,
+                cfg.num_streams,
+                cfg.dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             self._drafter = DrafterState(cache, streams)
         return self._drafter
 

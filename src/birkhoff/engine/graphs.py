@@ -2,51 +2,24 @@
 
 Legend: A active rows, K rows of a step's state, N key positions, J drafts per step.
 
-A step is `step.prefill_step`, `step.plain_step` or `step.speculative_step`: a function of
-persistent tensors and a per-row state [K, A] (no host sync inside, sampling included). `Steps`
-calls it on the active rows; `GraphSteps` replays a CUDA graph captured for the step's static
-shape:
-- rows: the cache rows 0..A'-1 of the smallest batch bucket A' (1, 2, 4, ..., up to the engine's
-  maximum) that holds every active row; the scheduler packs active rows at the front. Rows of the
-  bucket without a request get a state that is not live: they compute on the trash slot, and
-  their results are dropped.
-- keys: cache slots 0..N'-1 of a length bucket N' (a power of two >= 32, at most capacity - 1)
-  that covers the step; the causal mask is built on the device from the positions, as are the
-  rope tables (a gather) and the cache writes (index_put, or the fused rope + cache write).
-- one graph per (step, K, A', N', whether some row filters with top-k / top-p: else the sort is
-  skipped, the draft count J: a speculative step's positions and result width). A prefill is a
-  step too (`step.prefill_step`: T = N' positions of the bucket's rows, only the admitted rows
-  live), graphed up to a size the caller gives (decode.py), else eager; so is the MTP depths'
-  catch-up on a new prompt (`step.catch_up_step`).
-The state is copied into a static buffer (one per K, in one host-to-device transfer) and results
-come back in a static buffer shared by every graph of the same step, K and J: `run` returns a view
-of its first rows when the active rows are packed at the front (else their rows, gathered), so
-a caller copies the result (`to_host`, or reads it) before it runs the next step. Graphs are
-captured lazily, on the first step that needs them (warm-up run on a side stream, then
-capture), into one shared memory pool; they run one at a time on one stream, so their
-intermediates may share memory. Everything else a graph reads (caches, stream buffers, the
-rows' tokens, keys and sampling parameters: rows.py) is allocated once per engine.
-
-Weights: a graph reads the weight tensors at the addresses it was captured with. Graph sets are
-therefore keyed by the addresses of the committed weights (`fingerprint`): a step replays a graph
-only when every weight it reads lives where it was captured, and the generation holds that dict
-(so those tensors are alive and are the committed ones). A refit that commits new tensors selects
-(or captures) another set; it can never leave a graph reading stale or freed memory. Refit
-alternates between two buffer banks, so two sets (`MAX_WEIGHT_SETS`) serve every later refit
-without capturing again. Caches and stream buffers are allocated once per engine and never move.
+`Steps` calls a step on the active rows; `GraphSteps` replays a graph captured for the step's
+static shape: (step, K, batch bucket A' = a power of two, length bucket N' >= 32, whether some
+row filters with top-k / top-p, the draft count J). The state goes in through a static buffer,
+results come back in a shared one (copy them before the next step). Graph sets are keyed by the
+addresses of the served weights (`fingerprint`), so a refit never leaves a graph reading stale
+memory; two sets serve the two refit banks. docs/engine.md has the details.
 Left out: torch.compile, piecewise graphs.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from birkhoff.engine.forward import Weights
 from birkhoff.engine.step import StepContext
 from birkhoff.engine.transfer import copy_to, to_device
 
@@ -56,6 +29,7 @@ MAX_WEIGHT_SETS = 2  # graph sets kept (refit alternates two buffer banks)
 Fingerprint = tuple[tuple[int, tuple[int, ...]], ...]
 Key = tuple[str, int, int, int, bool, int]  # (step, K, A', N', filtered, J)
 Step = Callable[[StepContext, Tensor, "int | None", Tensor, int], Tensor]
+Weights = Mapping[str, Tensor]  # the engine's served tensors by name
 
 
 def bucket(n: int, cap: int, smallest: int = 1) -> int:
@@ -75,9 +49,15 @@ class Steps:
     static_shapes = False  # steps may take shapes that fit the rows exactly
 
     def run(
-        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int,
-        *, max_graph_tokens: int | None = None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        step: Step,
+        ctx: StepContext,
+        rows: list[int],
+        state: list[list[int]],
+        limit: int,
+        *,
+        max_graph_tokens: int | None = None,
+    ) -> Tensor:
         """`step`'s result [A, ...] for cache rows `rows` with state [K, A]; keys are slots
         0..limit-1. `max_graph_tokens`: graph steps run eagerly where the batch bucket times
         the length bucket exceeds it (a prefill of long prompts: its activations would stay in
@@ -158,9 +138,15 @@ class GraphSteps(Steps):
         self.pool, self.graphs = pool, pool.graphs_for(weights)
 
     def run(
-        self, step: Step, ctx: StepContext, rows: list[int], state: list[list[int]], limit: int,
-        *, max_graph_tokens: int | None = None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        step: Step,
+        ctx: StepContext,
+        rows: list[int],
+        state: list[list[int]],
+        limit: int,
+        *,
+        max_graph_tokens: int | None = None,
+    ) -> Tensor:
         K, A = len(state), bucket(max(rows) + 1, self.pool.max_rows)
         N = bucket(limit, self.pool.capacity - 1, MIN_KEYS)
         if max_graph_tokens is not None and max_graph_tokens < A * N:

@@ -1,41 +1,22 @@
-"""The engine's inference layout: served names, fusions, shapes, and the manifest.
+"""The engine's inference layout: typed weight records, served names, and the manifest.
 
 Legend: D model dim, H query heads, G kv heads, K head dim, F MLP hidden, V vocab, S streams,
 C = S*D, P = S*S+2S, E experts.
 
-The engine serves fused projections: `attn.wqkv.weight` = cat(wq, wk, wv) and
-`mlp.w_gate_up.weight` = cat(w_gate, w_up) along the output dim (dim 0); with `qkv_bias` the
-biases fuse the same way into `attn.wqkv.bias`. Every other tensor keeps its trainer name (the
-o bias `attn.wo.bias`, the q/k norms `attn.q_norm.weight`, `attn.k_norm.weight`). An MoE
-feed-forward (model/moe.py) is served as the trainer stores it: `mlp.router.weight` [E, D] and
-`mlp.router_bias` [E] (both fp32 whatever the engine dtype: routing is a discrete choice, and
-bias steps of 1e-3 vanish in bf16), the stacked experts `mlp.experts.w_gate_up` [E, 2F, D] and
-`mlp.experts.w_down` [E, D, F], and the shared experts `mlp.shared.w_gate_up` [2F', D],
-`mlp.shared.w_down` [D, F'] (F' = shared experts * F). With tied embeddings the engine serves
-`embed.weight` once and uses it as the lm_head. The MTP drafter (`mtp.{k}.*`) is laid out
-exactly like the main model.
-
-`engine_parts(cfg)` is the whole layout: engine name -> its trainer parts (name, shape) in
-concatenation order, computed from the ModelConfig alone (tests/engine/test_layout.py checks it
-against the trainer's parameters). The manifest adds each served tensor's dtype: with
-`quantize="fp8"` exactly the matmul weights are float8_e4m3fn plus `name + "_scale_inv"` (fp32,
-one scale per 128x128 block, per expert for a stack, engine/fp8.py); biases, norms and
-embeddings (also when tied to the lm_head) stay in the engine dtype; router tensors and the mHC
-coefficient tensors (phi, alpha, bias) are fp32 in every engine: the coefficients are computed
-in fp32 from fp32 parameters in the trainer, and the fused kernels read them as fp32 (a bf16
-copy would cost two cast kernels per sublayer and decode step, and precision).
-
-`trainer_tensors` looks a model's Parameters (and buffers: the router bias) up by name, every
-time it is called, so a caller always reads the current ones (also after `p.data = t` or a
-replaced module).
-Left out: per-channel scales, int8/int4, sharding across devices.
+`layout(cfg)` builds the model's weight records once, with a `Slot` at every leaf: the served
+name, its trainer parts (concatenated on dim 0: fused q/k/v and gate/up) and how it is served.
+The flat views (`engine_parts`, `build_manifest`) and the engine's forward records
+(`load_weights`: the same tree with tensors at the leaves) both come from it, so a name is
+written once; docs/engine.md lists the names and dtypes. Left out: sharding across devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -46,28 +27,10 @@ from birkhoff.model.moe import is_moe_layer
 
 Quantize = Literal["fp8"] | None
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (trainer name, shape) in concatenation order
-
-# always fp32: MoE routing decisions, and the mHC coefficient tensors (phi, alpha, bias of every
-# hyper-connection and stream contraction), which the trainer and the fused kernels use in fp32
-MHC_COEFFICIENTS = tuple(
-    f"{where}.{t}"
-    for where in ("hc_attn", "hc_mlp", "contraction")
-    for t in ("phi", "alpha", "bias")
-)
-FP32_SUFFIXES = ("mlp.router.weight", "mlp.router_bias", *MHC_COEFFICIENTS)
-# engine tensors that are matmul weights (candidates for fp8); never norms, embeddings, mHC
-MATMUL_SUFFIXES = (
-    "attn.wqkv.weight",
-    "attn.wo.weight",
-    "mlp.w_gate_up.weight",
-    "mlp.w_down.weight",
-    "mlp.experts.w_gate_up",
-    "mlp.experts.w_down",
-    "mlp.shared.w_gate_up",
-    "mlp.shared.w_down",
-    "proj.weight",
-    "lm_head.weight",
-)
+# "matmul": fp8 when quantized; "fp32": always fp32 (routing, mHC coefficients); "plain": the
+# engine dtype (norms, embeddings, biases)
+Kind = Literal["matmul", "fp32", "plain"]
+T = TypeVar("T")
 
 
 class TensorSpec(NamedTuple):
@@ -75,102 +38,241 @@ class TensorSpec(NamedTuple):
     dtype: torch.dtype
 
 
-def is_matmul_weight(engine_name: str) -> bool:
-    return engine_name.endswith(MATMUL_SUFFIXES)
+class Slot(NamedTuple):
+    """One served tensor: its name, its trainer parts (concatenated on dim 0), its kind."""
+
+    name: str
+    parts: Parts
+    kind: Kind
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(shape[0] for _, shape in self.parts), *self.parts[0][1][1:])
 
 
-def _one(name: str, *shape: int) -> tuple[str, Parts]:
-    return name, ((name, shape),)
+@dataclass(frozen=True, slots=True)
+class Linear(Generic[T]):
+    """A projection: its weight (block fp8 codes when `scale_inv` is set) and optional bias."""
+
+    weight: T
+    bias: T | None = None
+    scale_inv: T | None = None  # served only: the weight's fp8 block scales
 
 
-def _hyper(prefix: str, cfg: ModelConfig, *, contraction: bool) -> list[tuple[str, Parts]]:
+@dataclass(frozen=True, slots=True)
+class HyperWeights(Generic[T]):
+    """An mHC connection (P = S*S+2S rows, 3 alphas) or a stream contraction (S rows, 1)."""
+
+    phi: T  # [P, C] or [S, C]
+    alpha: T
+    bias: T
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionWeights(Generic[T]):
+    qkv: Linear[T]  # [H*K + 2*G*K, D]
+    o: Linear[T]  # [D, H*K]
+    q_norm: T | None  # [K], Qwen3's per-head norms
+    k_norm: T | None
+
+
+@dataclass(frozen=True, slots=True)
+class DenseWeights(Generic[T]):
+    gate_up: Linear[T]  # [2F, D]
+    down: Linear[T]  # [D, F]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEWeights(Generic[T]):
+    """Router (fp32), stacked experts [E, 2F, D] / [E, D, F], optional shared experts."""
+
+    router: T
+    router_bias: T
+    experts_gate_up: Linear[T]
+    experts_down: Linear[T]
+    shared_gate_up: Linear[T] | None
+    shared_down: Linear[T] | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWeights(Generic[T]):
+    attn_norm: T
+    attn: AttentionWeights[T]
+    hc_attn: HyperWeights[T] | None  # None: S = 1, the plain residual
+    mlp_norm: T
+    mlp: DenseWeights[T] | MoEWeights[T]
+    hc_mlp: HyperWeights[T] | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeadWeights(Generic[T]):
+    """The output contraction of the streams (None for S = 1) and the final norm."""
+
+    contraction: HyperWeights[T] | None
+    norm: T
+
+
+@dataclass(frozen=True, slots=True)
+class DepthWeights(Generic[T]):
+    """One MTP depth: the merge's norms and projection, its block, its own head."""
+
+    hidden_norm: T
+    embed_norm: T
+    proj: Linear[T]  # [D, 2D]
+    block: BlockWeights[T]
+    head: HeadWeights[T]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights(Generic[T]):
+    embed: T
+    layers: tuple[BlockWeights[T], ...]
+    head: HeadWeights[T]
+    lm_head: Linear[T]  # tied embeddings: the embedding's slot
+    mtp: tuple[DepthWeights[T], ...]
+
+
+Weights = ModelWeights[Tensor]  # what the engine's forward reads
+
+
+def _one(name: str, *shape: int, kind: Kind = "plain") -> Slot:
+    return Slot(name, ((name, shape),), kind)
+
+
+def _linear(name: str, *shape: int, bias: Slot | None = None) -> Linear[Slot]:
+    return Linear(_one(name, *shape, kind="matmul"), bias)
+
+
+def _hyper(prefix: str, cfg: ModelConfig, *, contraction: bool) -> HyperWeights[Slot] | None:
     """An mHC connection's (or output contraction's) coefficients; none for S = 1."""
     S, C = cfg.num_streams, cfg.num_streams * cfg.dim
     if S == 1:
-        return []
+        return None
     P, num_alpha = (S, 1) if contraction else (S * S + 2 * S, 3)
-    return [_one(prefix + "phi", P, C), _one(prefix + "alpha", num_alpha), _one(prefix + "bias", P)]
+    return HyperWeights(
+        phi=_one(prefix + "phi", P, C, kind="fp32"),
+        alpha=_one(prefix + "alpha", num_alpha, kind="fp32"),
+        bias=_one(prefix + "bias", P, kind="fp32"),
+    )
 
 
-def _moe(mlp: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
+def _attention(attn: str, cfg: ModelConfig) -> AttentionWeights[Slot]:
+    """Fused q/k/v (and bias), o (and the Llama o bias), Qwen3's q/k norms."""
+    D, H, G, K = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    widths = {"wq": H * K, "wk": G * K, "wv": G * K}
+    qkv = tuple((f"{attn}{p}.weight", (n, D)) for p, n in widths.items())
+    qkv_bias = tuple((f"{attn}{p}.bias", (n,)) for p, n in widths.items())
+    o_bias = _one(attn + "wo.bias", D) if cfg.attn_out_bias else None
+    return AttentionWeights(
+        qkv=Linear(
+            Slot(attn + "wqkv.weight", qkv, "matmul"),
+            Slot(attn + "wqkv.bias", qkv_bias, "plain") if cfg.qkv_bias else None,
+        ),
+        o=_linear(attn + "wo.weight", D, H * K, bias=o_bias),
+        q_norm=_one(attn + "q_norm.weight", K) if cfg.qk_norm else None,
+        k_norm=_one(attn + "k_norm.weight", K) if cfg.qk_norm else None,
+    )
+
+
+def _moe(mlp: str, cfg: ModelConfig) -> MoEWeights[Slot]:
     """An MoE feed-forward's router, stacked experts and shared experts (trainer layout)."""
     assert cfg.moe is not None
     D, E, F = cfg.dim, cfg.moe.num_experts, cfg.moe.expert_hidden
-    out = [
-        _one(mlp + "router.weight", E, D),
-        _one(mlp + "router_bias", E),
-        _one(mlp + "experts.w_gate_up", E, 2 * F, D),
-        _one(mlp + "experts.w_down", E, D, F),
-    ]
     shared = cfg.moe.num_shared_experts * F  # F' of the shared experts' one SwiGLU
-    if shared:
-        out += [
-            _one(mlp + "shared.w_gate_up", 2 * shared, D),
-            _one(mlp + "shared.w_down", D, shared),
-        ]
-    return out
+    return MoEWeights(
+        router=_one(mlp + "router.weight", E, D, kind="fp32"),
+        router_bias=_one(mlp + "router_bias", E, kind="fp32"),
+        experts_gate_up=_linear(mlp + "experts.w_gate_up", E, 2 * F, D),
+        experts_down=_linear(mlp + "experts.w_down", E, D, F),
+        shared_gate_up=_linear(mlp + "shared.w_gate_up", 2 * shared, D) if shared else None,
+        shared_down=_linear(mlp + "shared.w_down", D, shared) if shared else None,
+    )
 
 
-def _block(prefix: str, cfg: ModelConfig, index: int) -> list[tuple[str, Parts]]:
-    """Block `index` (0..L-1 main layers, L + k for MTP depth k)."""
-    D, H, G, K, F = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim
-    attn, mlp = prefix + "attn.", prefix + "mlp."
-    qkv = ((attn + "wq.weight", (H * K, D)), (attn + "wk.weight", (G * K, D)),
-           (attn + "wv.weight", (G * K, D)))  # fmt: skip
+def _dense(mlp: str, cfg: ModelConfig) -> DenseWeights[Slot]:
+    D, F = cfg.dim, cfg.ffn_dim
     gate_up = ((mlp + "w_gate.weight", (F, D)), (mlp + "w_up.weight", (F, D)))
-    dense = [(mlp + "w_gate_up.weight", gate_up), _one(mlp + "w_down.weight", D, F)]
-    return [
-        _one(prefix + "attn_norm.weight", D),
-        (attn + "wqkv.weight", qkv),
-        *_attn_options(attn, cfg),
-        _one(attn + "wo.weight", D, H * K),
-        *_hyper(prefix + "hc_attn.", cfg, contraction=False),
-        _one(prefix + "mlp_norm.weight", D),
-        *(_moe(mlp, cfg) if is_moe_layer(cfg, index) else dense),
-        *_hyper(prefix + "hc_mlp.", cfg, contraction=False),
-    ]
+    return DenseWeights(
+        Linear(Slot(mlp + "w_gate_up.weight", gate_up, "matmul")),
+        _linear(mlp + "w_down.weight", D, F),
+    )
 
 
-def _attn_options(attn: str, cfg: ModelConfig) -> list[tuple[str, Parts]]:
-    """The Llama-family attention extras: fused q/k/v bias, o bias, q/k norm weights."""
-    D, H, G, K = cfg.dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    out: list[tuple[str, Parts]] = []
-    if cfg.qkv_bias:
-        parts = ((attn + "wq.bias", (H * K,)), (attn + "wk.bias", (G * K,)),
-                 (attn + "wv.bias", (G * K,)))  # fmt: skip
-        out.append((attn + "wqkv.bias", parts))
-    if cfg.attn_out_bias:
-        out.append(_one(attn + "wo.bias", D))
-    if cfg.qk_norm:
-        out += [_one(attn + "q_norm.weight", K), _one(attn + "k_norm.weight", K)]
-    return out
+def _block(prefix: str, cfg: ModelConfig, index: int) -> BlockWeights[Slot]:
+    """Block `index` (0..L-1 main layers, L + k for MTP depth k)."""
+    mlp = prefix + "mlp."
+    return BlockWeights(
+        attn_norm=_one(prefix + "attn_norm.weight", cfg.dim),
+        attn=_attention(prefix + "attn.", cfg),
+        hc_attn=_hyper(prefix + "hc_attn.", cfg, contraction=False),
+        mlp_norm=_one(prefix + "mlp_norm.weight", cfg.dim),
+        mlp=_moe(mlp, cfg) if is_moe_layer(cfg, index) else _dense(mlp, cfg),
+        hc_mlp=_hyper(prefix + "hc_mlp.", cfg, contraction=False),
+    )
+
+
+def _head(prefix: str, cfg: ModelConfig) -> HeadWeights[Slot]:
+    contraction = _hyper(prefix + "contraction.", cfg, contraction=True)
+    return HeadWeights(contraction, _one(prefix + "norm.weight", cfg.dim))
+
+
+def _depth(k: int, cfg: ModelConfig) -> DepthWeights[Slot]:
+    p, D = f"mtp.{k}.", cfg.dim
+    return DepthWeights(
+        hidden_norm=_one(p + "hidden_norm.weight", D),
+        embed_norm=_one(p + "embed_norm.weight", D),
+        proj=_linear(p + "proj.weight", D, 2 * D),
+        block=_block(p + "block.", cfg, cfg.num_layers + k),
+        head=_head(p, cfg),
+    )
 
 
 @functools.cache
+def layout(cfg: ModelConfig) -> ModelWeights[Slot]:
+    """The weight records of `cfg`'s model with a Slot (name, trainer parts, kind) per leaf."""
+    V, D = cfg.vocab_size, cfg.dim
+    embed = _one("embed.weight", V, D)
+    return ModelWeights(
+        embed=embed,
+        layers=tuple(_block(f"layers.{i}.", cfg, i) for i in range(cfg.num_layers)),
+        head=_head("", cfg),
+        lm_head=Linear(embed) if cfg.tie_embeddings else _linear("lm_head.weight", V, D),
+        mtp=tuple(_depth(k, cfg) for k in range(cfg.mtp_depth)),
+    )
+
+
+def leaves(node: Any) -> Iterator[Any]:
+    """Every leaf of a record tree in field order (a tied tensor as often as it is used)."""
+    if node is None:
+        return
+    if isinstance(node, tuple) and not isinstance(node, Slot):
+        for child in node:
+            yield from leaves(child)
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from leaves(getattr(node, f.name))
+    else:
+        yield node
+
+
+def slots(cfg: ModelConfig) -> dict[str, Slot]:
+    """Engine name -> Slot of every served tensor (before quantization), in layout order."""
+    return {s.name: s for s in leaves(layout(cfg))}
+
+
 def engine_parts(cfg: ModelConfig) -> dict[str, Parts]:
     """Engine name -> its trainer parts (name, shape); the engine tensor is cat(parts, dim=0)."""
-    D, V = cfg.dim, cfg.vocab_size
-    out = [_one("embed.weight", V, D)]
-    for i in range(cfg.num_layers):
-        out += _block(f"layers.{i}.", cfg, i)
-    out += [*_hyper("contraction.", cfg, contraction=True), _one("norm.weight", D)]
-    if not cfg.tie_embeddings:
-        out.append(_one("lm_head.weight", V, D))
-    for k in range(cfg.mtp_depth):
-        p = f"mtp.{k}."
-        out += [_one(p + "hidden_norm.weight", D), _one(p + "embed_norm.weight", D),
-                _one(p + "proj.weight", D, 2 * D), *_block(p + "block.", cfg, cfg.num_layers + k),
-                *_hyper(p + "contraction.", cfg, contraction=True),
-                _one(p + "norm.weight", D)]  # fmt: skip
-    return dict(out)
+    return {name: s.parts for name, s in slots(cfg).items()}
 
 
 def engine_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor the engine serves (before quantization)."""
-    return {
-        name: (sum(shape[0] for _, shape in parts), *parts[0][1][1:])
-        for name, parts in engine_parts(cfg).items()
-    }
+    return {name: s.shape for name, s in slots(cfg).items()}
+
+
+def matmul_weights(cfg: ModelConfig) -> frozenset[str]:
+    """The served matmul weights: block fp8 when the engine quantizes."""
+    return frozenset(name for name, s in slots(cfg).items() if s.kind == "matmul")
 
 
 def build_manifest(
@@ -178,15 +280,33 @@ def build_manifest(
 ) -> dict[str, TensorSpec]:
     """Name -> TensorSpec of every tensor the engine serves (main model and MTP drafter)."""
     manifest: dict[str, TensorSpec] = {}
-    for name, shape in engine_shapes(cfg).items():
-        if quantize == "fp8" and is_matmul_weight(name):
-            manifest[name] = TensorSpec(shape, FP8_DTYPE)
-            manifest[name + SCALE_SUFFIX] = TensorSpec(scale_shape(shape, FP8_BLOCK), torch.float32)
-        elif name.endswith(FP32_SUFFIXES):
-            manifest[name] = TensorSpec(shape, torch.float32)
+    for name, s in slots(cfg).items():
+        if quantize == "fp8" and s.kind == "matmul":
+            manifest[name] = TensorSpec(s.shape, FP8_DTYPE)
+            scales = scale_shape(s.shape, FP8_BLOCK)
+            manifest[name + SCALE_SUFFIX] = TensorSpec(scales, torch.float32)
         else:
-            manifest[name] = TensorSpec(shape, dtype)
+            manifest[name] = TensorSpec(s.shape, torch.float32 if s.kind == "fp32" else dtype)
     return manifest
+
+
+def _load(node: Any, weights: Mapping[str, Tensor]) -> Any:
+    if node is None:
+        return None
+    if isinstance(node, Slot):
+        return weights[node.name]
+    if isinstance(node, Linear):
+        scale_inv = weights.get(node.weight.name + SCALE_SUFFIX)
+        return Linear(_load(node.weight, weights), _load(node.bias, weights), scale_inv)
+    if isinstance(node, tuple):
+        return tuple(_load(child, weights) for child in node)
+    values = {f.name: _load(getattr(node, f.name), weights) for f in dataclasses.fields(node)}
+    return type(node)(**values)
+
+
+def load_weights(cfg: ModelConfig, weights: Mapping[str, Tensor]) -> Weights:
+    """The forward's records of served tensors `weights` (name -> tensor, the manifest's)."""
+    return cast(Weights, _load(layout(cfg), weights))
 
 
 class SourceError(ValueError):

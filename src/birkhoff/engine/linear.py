@@ -1,17 +1,11 @@
-"""The one matmul of the engine: `linear(x, weights, name, bias=None)`.
+"""The one matmul of the engine: `linear(x, lin)` for a `Linear` weight record.
 
-Every projection reads its weight from the engine's weight dict by name, so replacing the dict
-(a commit) swaps all weights at once. When `name + "_scale_inv"` is present the weight is block
-fp8: where Triton has fp8 dots (Hopper, or the Triton interpreter) `fp8_matmul.fp8_linear` reads
-its codes (up to a few hundred rows widened in registers and multiplied with the activation as
-it is, above that fp8 x fp8 after quantizing the activation); elsewhere (CPU: the reference) it
-is dequantized to the activation dtype first. With fused kernels on, a matmul of a few
-activation rows is `kernels.gemv` where `gemv.serves` says it is faster (one row: batch-1
-decode; 2-4 rows of the output and down projections: verify and draft passes), as cuBLAS's tiles
-left most of the GPU idle there; a block-fp8 weight goes there on the same rule, decoded from
-its codes in the kernel (one byte a weight read, the activation as it is). Left out: caching the
-dequantized weights between calls. `weight` is the lookup with dequantization for callers that
-do their own matmuls (the stacked experts of engine/moe.py).
+A block-fp8 weight (its record has `scale_inv`) goes through `fp8_matmul.fp8_linear` where Triton
+has fp8 dots (Hopper, or the Triton interpreter), else it is dequantized to the activation dtype
+first (CPU: the reference). With fused kernels on, a matmul of a few activation rows is
+`kernels.gemv` where `gemv.serves` says it is faster (batch-1 decode, verify and draft passes),
+fp8 codes decoded in the kernel. `weight` is the dequantized lookup for callers that do their own
+matmuls (the stacked experts of engine/moe.py). Left out: caching dequantized weights.
 """
 
 from __future__ import annotations
@@ -20,29 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.engine.fp8 import FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8_blockwise
+from birkhoff.engine.fp8 import FP8_BLOCK, dequantize_fp8_blockwise
+from birkhoff.engine.layout import Linear
 from birkhoff.kernels import fp8_matmul, use_fused
 
 
-def weight(weights: dict[str, Tensor], name: str, dtype: torch.dtype) -> Tensor:
-    """weights[name], dequantized to `dtype` if it has a block scale (as is otherwise)."""
-    w = weights[name]
-    scale_inv = weights.get(name + SCALE_SUFFIX)
-    if scale_inv is not None:
-        w = dequantize_fp8_blockwise(w, scale_inv, block=FP8_BLOCK, dtype=dtype)
-    return w
+def weight(lin: Linear[Tensor], dtype: torch.dtype) -> Tensor:
+    """The record's weight, dequantized to `dtype` if it has a block scale (as is otherwise)."""
+    if lin.scale_inv is None:
+        return lin.weight
+    return dequantize_fp8_blockwise(lin.weight, lin.scale_inv, block=FP8_BLOCK, dtype=dtype)
 
 
-def linear(
-    x: Tensor, weights: dict[str, Tensor], name: str, *, bias: str | None = None,
-    kernels: str = "eager",
-) -> Tensor:  # fmt: skip
-    """x @ W^T (+ b) with W = weights[name] (block fp8 if it has a scale: fp8 matmul or
-    dequantized) and b = weights[bias] when a bias name is given (biases are never quantized).
-    `kernels` (`birkhoff.kernels.use_fused`): a few rows may go to the fused `kernels.gemv`."""
-    w = weights[name]
-    b = None if bias is None else weights[bias]
-    scale_inv = weights.get(name + SCALE_SUFFIX)
+def linear(x: Tensor, lin: Linear[Tensor], *, kernels: str = "eager") -> Tensor:
+    """x @ W^T (+ b) of a weight record (block fp8 if it has a scale: fp8 matmul or dequantized;
+    biases are never quantized). `kernels` (`birkhoff.kernels.use_fused`): a few rows may go to
+    the fused `kernels.gemv`."""
+    w, b, scale_inv = lin.weight, lin.bias, lin.scale_inv
     if use_fused(x, kernels) and w.stride(-1) == 1:
         from birkhoff.kernels import gemv
 
@@ -53,4 +41,4 @@ def linear(
     if fp8_matmul.supported(x):
         out = fp8_matmul.fp8_linear(x, w, scale_inv)
         return out if b is None else out + b
-    return F.linear(x, weight(weights, name, x.dtype), b)
+    return F.linear(x, weight(lin, x.dtype), b)

@@ -75,7 +75,7 @@ class RequestRandom:
 
     `keys_R` holds one int64 key per cache row (set when a request takes the row);
     `uniform(rows, positions, tags)` returns fp64 uniforms in [0, 1), one per element of the
-    broadcast of its three arguments; with fused kernels (`kernels`, as `ModelConfig.mhc_kernels`)
+    broadcast of its three arguments; with fused kernels (`kernels`, the engine's kernel choice)
     one Triton launch computes the same bits (kernels/rng.py).
     """
 

@@ -29,7 +29,7 @@ class RowState:
 
     @classmethod
     def build(cls, num_rows: int, capacity: int, device: torch.device, *, kernels: str) -> RowState:
-        """`kernels`: the engine model's `mhc_kernels` (fused random numbers on CUDA)."""
+        """`kernels`: the engine's kernel choice (fused random numbers on CUDA)."""
         tokens_BN = torch.zeros(num_rows, capacity, dtype=torch.long, device=device)
         rng = RequestRandom(num_rows, device, kernels)
         n_B = torch.zeros(num_rows, dtype=torch.long, device=device)

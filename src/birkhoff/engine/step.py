@@ -36,7 +36,6 @@ from torch import Tensor
 from birkhoff.config import ModelConfig
 from birkhoff.engine.forward import (
     Chunk,
-    Weights,
     chunk_at,
     decode_step,
     lm_head,
@@ -44,6 +43,7 @@ from birkhoff.engine.forward import (
     mtp_forward,
 )
 from birkhoff.engine.kv_cache import DrafterState, KVCache
+from birkhoff.engine.layout import Weights
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, TAGS
 from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import sample_tokens
@@ -57,6 +57,7 @@ class StepContext:
 
     w: Weights
     cfg: ModelConfig
+    kernels: str  # the engine's kernel choice (`birkhoff.kernels.use_fused`)
     cache: KVCache
     drafter: DrafterState | None
     rows: RowState
@@ -71,7 +72,7 @@ def fused_sampling(ctx: StepContext, logits: Tensor) -> bool:
     (not fp64), and no row of the step filtering with top-k / top-p (that keeps the eager
     sort)."""
     fused_dtype = logits.dtype != torch.float64
-    return use_fused(logits, ctx.cfg.mhc_kernels) and fused_dtype and not ctx.filtered
+    return use_fused(logits, ctx.kernels) and fused_dtype and not ctx.filtered
 
 
 def sample_at(
@@ -107,7 +108,7 @@ def step_chunk(
     p + shift, the trash slot's where padding). With fused kernels: one launch
     (`kernels.step_inputs`)."""
     trash, tokens_BN = ctx.cache.trash, ctx.rows.tokens_BN
-    if use_fused(live_A, ctx.cfg.mhc_kernels):
+    if use_fused(live_A, ctx.kernels):
         from birkhoff.kernels.step_inputs import chunk_inputs
 
         slots_AT, valid_AT, cos, sin, tokens_AT = chunk_inputs(
@@ -131,7 +132,7 @@ def plain_step(
     """One plain decode step (state [2, A]: n, live): [A, 2] fp64 of (next token, logprob)."""
     n_A, live_A = state_KA[0], state_KA[1]
     chunk, tokens_A1 = step_chunk(ctx, rows_A, prefix, n_A, None, live_A, 1, limit)
-    _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk)
+    _, logits_A1V = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_A1, chunk, kernels=ctx.kernels)
     return sample_at(ctx, rows_A, n_A, chunk.valid_AT[:, 0], logits_A1V[:, 0], SAMPLE, 1)[0]
 
 
@@ -144,12 +145,14 @@ def prefill_step(
     pending position L - 1, as `plain_step` returns it: [A, 2] fp64 of (token, logprob)."""
     len_A, live_A = state_KA[0], state_KA[1].bool()
     chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, None, len_A, live_A, limit, limit)
-    ms_ATSD, hidden_ATD = main_forward(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
+    ms_ATSD, hidden_ATD = main_forward(
+        ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk, kernels=ctx.kernels
+    )
     if ctx.drafter is not None:
         ctx.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
     last_A = (len_A - 1).clamp(min=0)
     hidden_AD = hidden_ATD[torch.arange(len(rows_A), device=rows_A.device), last_A]
-    logits_AV = lm_head(hidden_AD, ctx.w, ctx.cfg)
+    logits_AV = lm_head(hidden_AD, ctx.w, kernels=ctx.kernels)
     return sample_at(ctx, rows_A, last_A, live_A, logits_AV, SAMPLE, 1)[0]
 
 
@@ -165,7 +168,14 @@ def depth_pass(
     chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, start_A, end_A, live_A, T, limit, k)
     h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
     h_ATSD, head_ATD = mtp_forward(
-        ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, h_prev_ATSD, tokens_AT, chunk
+        ctx.w,
+        ctx.cfg,
+        k - 1,
+        ctx.drafter.cache,
+        h_prev_ATSD,
+        tokens_AT,
+        chunk,
+        kernels=ctx.kernels,
     )
     if k < ctx.num_drafts:
         ctx.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
@@ -200,7 +210,7 @@ def draft(
         _, head_ATD = depth_pass(ctx, rows_A, prefix, k, start_A, n_A, live_A, T, limit)
         last_A = (n_last_A - start_A).clamp(0, T - 1)  # the offset of position n-1
         at_A1D = last_A[:, None, None].expand(-1, 1, head_ATD.shape[-1])
-        logits_AV = lm_head(head_ATD.gather(1, at_A1D)[:, 0], ctx.w, ctx.cfg)
+        logits_AV = lm_head(head_ATD.gather(1, at_A1D)[:, 0], ctx.w, kernels=ctx.kernels)
         _, draft_A, q_AV = sample_at(ctx, rows_A, n_A, live_A, logits_AV, DRAFT + k, k)
         drafts.append(draft_A)
         qs.append(q_AV)
@@ -221,7 +231,9 @@ def verify(
     (A, J), T, trash = drafts_AJ.shape, drafts_AJ.shape[1] + 1, ctx.cache.trash
     tokens_BN = ctx.rows.tokens_BN
     chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, n_A, None, live_A, T, limit)
-    ms_ATSD, logits_ATV = decode_step(ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk)
+    ms_ATSD, logits_ATV = decode_step(
+        ctx.w, ctx.cfg, ctx.cache, tokens_AT, chunk, kernels=ctx.kernels
+    )
     ctx.drafter.streams.write(0, rows_A, chunk.positions_AT, ms_ATSD)
     if fused_sampling(ctx, logits_ATV):
         from birkhoff.kernels.accept import verify_accept

@@ -2,46 +2,40 @@
 
 Legend: B batch, T tokens, S streams, D model dim, P = S*S + 2S coefficient logits.
 
-The residual is widened to S streams x_BTSD. Around each sublayer F (attention, MLP):
+Around each sublayer F the S residual streams mix as
     y_k = H_post[k] * F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j
-with per-token coefficients computed from the streams themselves:
-    x' = RMSNorm(flatten(x))                       (no weight: phi absorbs it)
-    [pre | post | res] = alpha * (x' @ phi^T) + bias   (one projection, P logits, this order)
-    H_pre = sigmoid(pre) + eps, H_post = 2 sigmoid(post), H_res = Sinkhorn(res as S x S)
-(DeepSeek-V4's published formulation; eps = 1e-6 = ModelConfig.mhc_eps).
-H_res is applied transposed (column k collects into stream k), as in the reference layout.
-
-Design choices:
-- Coefficients and Sinkhorn run in >= fp32 with autocast disabled: Sinkhorn in bf16 is unstable.
-  fp64 inputs stay fp64 so gradcheck and the CPU reference tests are exact. The stream sums
-  (mix in, mix out, contraction) also accumulate in >= fp32 and cast once at the end.
-- The functions here are the eager reference and the CPU path. Each takes `kernels`
-  ("auto" | "eager" | "triton", ModelConfig.mhc_kernels): "auto" runs the fused Triton ops of
-  `birkhoff.kernels.mhc` on CUDA (fp32/bf16/fp16), the eager code elsewhere (the engine passes
-  its config's `mhc_kernels` too). `HyperConnection` runs `hyper_connection`
-  (`coefficients_and_mix_in`, F, `mix_out`); its fused path writes the streams' gradient once,
-  in the coefficient op's backward, for the coefficients, the mix in and mix out's residual.
-- The static bias starts each sublayer close to a plain residual: b_pre = +3 on the sublayer's
-  home stream and -3 elsewhere, b_post = 0, b_res = 6I - 3 (Sinkhorn diagonal ~0.993).
-  Zero biases would start from maximal mixing (H_res uniform).
-- S = 1 uses `PlainResidual` (x + F(x)), so the model reduces exactly to a pre-norm transformer.
-- Streams are expanded once at the input and contracted once at the output by
-  `StreamContraction` (sigmoid weights like H_pre, no Sinkhorn).
+with per-token coefficients from one projection of the RMS-normed streams (docs/mhc.md has the
+formulas, the bias initialisation and the precision rules). The functions here are the eager
+reference; `fused_ops` is the one place that picks the fused Triton ops instead, from a
+`kernels` choice the caller makes ("auto" | "eager" | "triton": the trainer's
+`TrainConfig.kernels`, applied to a model by `apply_kernels`; the engine's `kernels`).
+S = 1 uses `PlainResidual` (x + F(x)): exactly a pre-norm transformer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import KERNELS, Kernels, ModelConfig
 from birkhoff.kernels import mhc, use_fused
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def fused_ops(x: Tensor, kernels: str) -> ModuleType | None:
+    """The fused mHC ops (`birkhoff.kernels.mhc`) where `kernels` picks them for x
+    (`birkhoff.kernels.use_fused`), else None: the eager reference below runs."""
+    if not use_fused(x, kernels):
+        return None
+    return mhc
 
 
 def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
@@ -50,13 +44,54 @@ def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
     Row softmax, + eps on every entry, column normalisation, then (iters - 1) x (row, column)
     normalisation, eps in every denominator. Columns are normalised last, so column sums are
     exact and row sums converge (~1e-3 after 20 iterations for typical logits).
+
+    The normalisations run with the matrix entries leading ([S, S, N], N = every leading index,
+    `SinkhornSteps`): each sum and division is then a few ops on contiguous length-N vectors
+    instead of ops over many S-wide rows, ~10x faster on CPU for the [B,T,4,4] of a layer, and
+    a sum over S entries adds them in order, as the row-major form does for S <= 4 (equal to
+    the last bit there; for larger S the two may round differently).
     """
-    m = torch.softmax(logits_SS, dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
+    S = logits_SS.shape[-1]
+    m_NSS = (torch.softmax(logits_SS, dim=-1) + eps).reshape(-1, S, S)
+    if torch.is_grad_enabled() and m_NSS.requires_grad:
+        out_NSS = SinkhornSteps.apply(m_NSS, iters, eps)
+    else:
+        out_NSS = SinkhornSteps.forward(None, m_NSS, iters, eps)
+    return out_NSS.view(logits_SS.shape)
+
+
+class SinkhornSteps(torch.autograd.Function):
+    """The 2 * iters - 1 alternating normalisations of `sinkhorn` on [N,S,S] (entries of m > 0).
+
+    Step i divides m by d = (sum of m over its axis) + eps: the column axis (dim 0 of the
+    [S, S, N] layout) for even i, the row axis for odd i. The backward of r = m / d,
+        dm = g / d - sum_axis(g * (r / d)),
+    is autograd's for the same ops (div's two gradients, the sum's broadcast) written out, in
+    the same [S, S, N] layout, so it equals what autograd would compute to the last bit.
+    """
+
+    @staticmethod
+    def forward(ctx: object, m_NSS: Tensor, iters: int, eps: float) -> Tensor:
+        m_SSN = m_NSS.permute(1, 2, 0).contiguous()  # entries leading
+        saved: list[Tensor] = []
+        for i in range(2 * iters - 1):
+            d_SSN = m_SSN.sum(dim=i % 2, keepdim=True) + eps  # column sums first
+            m_SSN = m_SSN / d_SSN
+            saved += [m_SSN, d_SSN]
+        if ctx is not None:
+            ctx.save_for_backward(*saved)  # type: ignore[attr-defined]
+        return m_SSN.permute(2, 0, 1).contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: object, g_NSS: Tensor) -> tuple[Tensor, None, None]:
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]
+        g_SSN = g_NSS.permute(1, 2, 0).contiguous()
+        for i in reversed(range(len(saved) // 2)):
+            r_SSN, d_SSN = saved[2 * i], saved[2 * i + 1]
+            g_d = (g_SSN * (r_SSN / d_SSN)).sum(dim=i % 2, keepdim=True)
+            g_SSN = g_SSN / d_SSN - g_d
+        return g_SSN.permute(2, 0, 1).contiguous(), None, None
 
 
 def init_bias(num_streams: int, home: int) -> Tensor:
@@ -70,11 +105,18 @@ def init_bias(num_streams: int, home: int) -> Tensor:
 
 
 def mhc_coefficients(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mhc_coefficients(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -94,7 +136,7 @@ def mhc_coefficients(
 
 def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tensor:
     """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D], summed in >= fp32, cast to x's dtype."""
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mix_in(x_BTSD, h_pre_BTS)
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -103,14 +145,21 @@ def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tenso
 
 
 def coefficients_and_mix_in(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor, *, iters: int,
-    norm_eps: float, eps: float = MHC_EPS, kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(sum_j H_pre[j] x_j [B,T,D], H_pre, H_post, H_res): `mhc_coefficients`, then `mix_in`.
 
     The fused path runs both as one op, whose backward writes the streams' gradient once.
     """
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.coefficients_and_mix_in(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
@@ -121,14 +170,18 @@ def coefficients_and_mix_in(
 
 
 def mix_out(
-    x_BTSD: Tensor, f_BTD: Tensor, h_post_BTS: Tensor, h_res_BTSS: Tensor, *,
+    x_BTSD: Tensor,
+    f_BTD: Tensor,
+    h_post_BTS: Tensor,
+    h_res_BTSS: Tensor,
+    *,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """y_k = H_post[k] F + sum_j H_res[j, k] x_j -> [B,T,S,D], in >= fp32, cast once.
 
     The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
     """
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
@@ -139,16 +192,23 @@ def mix_out(
 
 
 def hyper_connection(
-    x_BTSD: Tensor, phi_PC: Tensor, alpha_3: Tensor, bias_P: Tensor,
-    sublayer: Callable[[Tensor], Tensor], *, iters: int, norm_eps: float, eps: float = MHC_EPS,
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    sublayer: Callable[[Tensor], Tensor],
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float = MHC_EPS,
     kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """One mHC-wrapped sublayer: y_k = H_post[k] F(sum_j H_pre[j] x_j) + sum_j H_res[j, k] x_j.
 
     `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
     streams to the coefficient op's backward, which writes x's gradient once for all of it.
     """
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         # x_BTSD becomes the op's view of the (once made contiguous) streams
         y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
@@ -164,9 +224,16 @@ class HyperConnection(nn.Module):
     """The mHC wrapper of one sublayer: computes coefficients, mixes in, runs F, mixes out."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, home: int, iters: int, norm_eps: float,
-        eps: float = MHC_EPS, kernels: str = "auto",
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        home: int,
+        iters: int,
+        norm_eps: float,
+        eps: float = MHC_EPS,
+        kernels: str = "auto",
+    ) -> None:
         super().__init__()
         S = num_streams
         self.iters, self.norm_eps, self.eps, self.kernels = iters, norm_eps, eps, kernels
@@ -176,9 +243,16 @@ class HyperConnection(nn.Module):
 
     def forward(self, x_BTSD: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return hyper_connection(
-            x_BTSD, self.phi, self.alpha, self.bias, sublayer, iters=self.iters,
-            norm_eps=self.norm_eps, eps=self.eps, kernels=self.kernels,
-        )  # fmt: skip
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            sublayer,
+            iters=self.iters,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
+            kernels=self.kernels,
+        )
 
 
 class PlainResidual(nn.Module):
@@ -192,9 +266,13 @@ def build_hyper_connection(cfg: ModelConfig, *, home: int) -> nn.Module:
     if cfg.num_streams == 1:
         return PlainResidual()
     return HyperConnection(
-        cfg.dim, cfg.num_streams, home=home, iters=cfg.sinkhorn_iters, norm_eps=cfg.norm_eps,
-        eps=cfg.mhc_eps, kernels=cfg.mhc_kernels,
-    )  # fmt: skip
+        cfg.dim,
+        cfg.num_streams,
+        home=home,
+        iters=cfg.sinkhorn_iters,
+        norm_eps=cfg.norm_eps,
+        eps=cfg.mhc_eps,
+    )
 
 
 def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
@@ -203,11 +281,17 @@ def expand_streams(x_BTD: Tensor, num_streams: int) -> Tensor:
 
 
 def contraction_weights(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
@@ -218,12 +302,18 @@ def contraction_weights(
 
 
 def contract(
-    x_BTSD: Tensor, phi_SC: Tensor, alpha_1: Tensor, bias_S: Tensor, *, norm_eps: float,
-    eps: float = MHC_EPS, kernels: str = "auto",
-) -> Tensor:  # fmt: skip
+    x_BTSD: Tensor,
+    phi_SC: Tensor,
+    alpha_1: Tensor,
+    bias_S: Tensor,
+    *,
+    norm_eps: float,
+    eps: float = MHC_EPS,
+    kernels: str = "auto",
+) -> Tensor:
     """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
     fused path runs both as one op)."""
-    if use_fused(x_BTSD, kernels):
+    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
         return mhc.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     w_BTS = contraction_weights(
         x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels
@@ -235,9 +325,14 @@ class StreamContraction(nn.Module):
     """Learned output head: sum_s w_s x_s with pre-style sigmoid weights (no Sinkhorn)."""
 
     def __init__(
-        self, dim: int, num_streams: int, *, norm_eps: float, eps: float = MHC_EPS,
+        self,
+        dim: int,
+        num_streams: int,
+        *,
+        norm_eps: float,
+        eps: float = MHC_EPS,
         kernels: str = "auto",
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         S = num_streams
         self.norm_eps, self.eps, self.kernels = norm_eps, eps, kernels
@@ -247,9 +342,14 @@ class StreamContraction(nn.Module):
 
     def forward(self, x_BTSD: Tensor) -> Tensor:
         return contract(
-            x_BTSD, self.phi, self.alpha, self.bias, norm_eps=self.norm_eps, eps=self.eps,
+            x_BTSD,
+            self.phi,
+            self.alpha,
+            self.bias,
+            norm_eps=self.norm_eps,
+            eps=self.eps,
             kernels=self.kernels,
-        )  # fmt: skip
+        )
 
 
 class SqueezeStreams(nn.Module):
@@ -263,9 +363,18 @@ def build_contraction(cfg: ModelConfig) -> nn.Module:
     """The output contraction of the main model or of one MTP depth (S = 1: the single stream)."""
     if cfg.num_streams == 1:
         return SqueezeStreams()
-    return StreamContraction(
-        cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps, kernels=cfg.mhc_kernels
-    )
+    return StreamContraction(cfg.dim, cfg.num_streams, norm_eps=cfg.norm_eps, eps=cfg.mhc_eps)
+
+
+def apply_kernels(model: ModuleT, kernels: Kernels) -> ModuleT:
+    """Run every mHC module of `model` (its hyper-connections and contractions) on `kernels`, a
+    runtime choice applied from outside the model as recompute is; returns `model`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is invalid: must be one of {KERNELS}")
+    for module in model.modules():
+        if isinstance(module, HyperConnection | StreamContraction):
+            module.kernels = kernels
+    return model
 
 
 # Pure functions the trainer's modules above and the engine's forward both call, so a fused

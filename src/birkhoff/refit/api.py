@@ -22,7 +22,6 @@ import torch
 from birkhoff.config import ModelConfig
 from birkhoff.engine import Engine, TensorSpec
 from birkhoff.engine.fp8 import FP8_DTYPE
-from birkhoff.engine.layout import is_matmul_weight
 from birkhoff.refit.bucket import MIN_BUCKET_BYTES
 from birkhoff.refit.pack import fill, manifest_key, refit_layout
 from birkhoff.refit.session import RefitReport
@@ -33,9 +32,8 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
 def manifest_quantize(manifest: Mapping[str, TensorSpec]) -> str | None:
-    """'fp8' if the manifest serves any matmul weight in fp8, else None."""
-    fp8 = any(spec.dtype == FP8_DTYPE and is_matmul_weight(n) for n, spec in manifest.items())
-    return "fp8" if fp8 else None
+    """'fp8' if the manifest serves any tensor in fp8 (only matmul weights ever are), else None."""
+    return "fp8" if any(spec.dtype == FP8_DTYPE for spec in manifest.values()) else None
 
 
 def refit(

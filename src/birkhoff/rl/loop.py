@@ -38,14 +38,17 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.engine import Engine
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.mtp import shift_targets
 from birkhoff.model.transformer import Transformer
+from birkhoff.overrides import as_settings
 from birkhoff.presets import Preset
 from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
-from birkhoff.rl.loss import grpo_loss, token_logprobs
+from birkhoff.rl.evaluate import eval_metrics, evaluate
+from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -62,6 +65,7 @@ from birkhoff.runtime.distributed import (
 )
 from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.runtime.progress import Progress
+from birkhoff.runtime.stop import STOP_AFTER, StopFlag
 from birkhoff.tasks.problems import (
     Problem,
     Task,
@@ -75,7 +79,7 @@ from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.loop import supervised_steps
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
-from birkhoff.train.step import LossFn, Metrics, train_step
+from birkhoff.train.step import LossFn, Metrics, SkipCounter, train_step
 
 CHECKPOINT_DIR = "checkpoint"
 SEED_STRIDE = 1 << 20  # rank r samples with seed + r * SEED_STRIDE (rank 0: the plain seed)
@@ -86,17 +90,17 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
     """GRPO policy loss on the completion tokens (+ KL to `reference`) + the MTP loss."""
 
     def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[Tensor, Metrics]:
-        out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.completion_mask)
-        # position i predicts token i+1: align logits[:, :-1] with tokens/masks[:, 1:]; the
-        # rollouts sampled from softmax(logits / temperature), so the ratio uses the same
-        tokens_BT = batch.input_ids[:, 1:]
-        logp_BT = token_logprobs(out.logits[:, :-1] / cfg.temperature, tokens_BT)
+        # the rollouts sampled from softmax(logits / temperature): the ratio uses the same
+        ids_BT, mask_BT, t = batch.input_ids, batch.completion_mask, cfg.temperature
+        out = model(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+        # out.logp[:, i] is the logprob of token i+1: align [:, :-1] with tokens/masks[:, 1:]
+        logp_BT = out.logp[:, :-1]
         ref_logp_BT = None
         if reference is not None:
             with torch.no_grad():
-                ref_logits_BTV = reference(batch.input_ids).logits[:, :-1]
-            ref_logp_BT = token_logprobs(ref_logits_BTV / cfg.temperature, tokens_BT)
-        mask_BT, num_ranks = batch.completion_mask, world_size()
+                ref = reference(ids_BT, labels=ids_BT, loss_mask=mask_BT, temperature=t)
+            ref_logp_BT = ref.logp[:, :-1]
+        num_ranks = world_size()
         policy_loss, metrics = grpo_loss(
             logp_BT,
             batch.rollout_logp[:, 1:],
@@ -152,6 +156,9 @@ class GRPORun:
             load_checkpoint(init, model=self.model)
         self.reference: Transformer | None = None  # frozen start-of-GRPO policy, for the KL
         self.step = 0  # global: warm-up steps, then GRPO steps
+        self.checkpoint_step: int | None = None  # the step the run's checkpoint holds
+        self.stopped_by: str | None = None  # why the last `run` ended early (runtime.stop)
+        self.skips = SkipCounter(preset.train.max_skipped_in_row)  # non-finite steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()  # from the whole model, before any sharding
         if self.dist.enabled:
@@ -177,17 +184,21 @@ class GRPORun:
             quantize=self.rl.refit_quantize,
             max_batch_size=max(batch, self.rl.num_eval_prompts, 1),
             max_speculative_tokens=max(self.rl.num_speculative_tokens, 1),
+            kernels=self.preset.train.kernels,
         )
 
     # ------------------------------------------------------------------ phases
 
-    def warmup_rows(self, stop: int) -> Iterator[dict[str, Any]]:
-        """The supervised warm-up from the current step up to `stop` (the shared loop)."""
+    def step_rows(self) -> Iterator[dict[str, Any]]:
+        """Each remaining step's metrics row, computed when asked for: the rest of the
+        supervised warm-up (the shared loop), then GRPO steps."""
         # the warm-up's lr schedule spans the warm-up, not the preset's supervised run length
         cfg = self.preset.train.replace(num_steps=max(self.rl.warmup_steps, 1))
-        steps = range(self.step, min(stop, self.rl.warmup_steps))
-        return supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
-                                steps=steps)  # fmt: skip
+        steps = range(self.step, self.rl.warmup_steps)
+        yield from supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
+                                    steps=steps)  # fmt: skip
+        while True:
+            yield self.grpo_step()
 
     def grpo_step(self) -> dict[str, Any]:
         rl, seed = self.rl, self.preset.train.seed
@@ -222,15 +233,16 @@ class GRPORun:
         rl = self.rl
         train_cfg = self.preset.train.replace(lr=rl.lr, warmup_steps=0, min_lr_ratio=1.0)
         loss_fn = grpo_loss_fn(rl, self.reference)
-        start, metrics = time.perf_counter(), {}
+        start, metrics, skipped = time.perf_counter(), {}, 0.0
         for _ in range(rl.updates_per_step):
             version = self.engine_version_of_trainer()
             check_staleness(batch.weight_versions, version, rl.max_staleness)
             metrics = train_step(
                 self.model, self.optimizer, batch, train_cfg, step=self.step, loss_fn=loss_fn
             )
+            skipped += metrics["skipped"]
             self.trainer_version += 1
-        return metrics, time.perf_counter() - start
+        return metrics | {"skipped": skipped}, time.perf_counter() - start
 
     def engine_version_of_trainer(self) -> int:
         """The version the trainer's weights would get at the next refit."""
@@ -256,28 +268,22 @@ class GRPORun:
         if not self.eval_problems:
             return {}
         problems = take(self.eval_problems, self.dist)  # each rank evaluates its share
-        args = (self.engine, problems, self.task, self.tokenizer, self.rl)
-        greedy = rollout_metrics(rollout(*args, seed=self.rank_seed(0), greedy=True), self.device)
-        sampled = rollout_metrics(rollout(*args, seed=self.rank_seed(0)), self.device)
-        out = {"eval_reward": greedy["reward"], "eval_sampled_reward": sampled["reward"]}
-        out.update({f"eval_{k}": v for k, v in greedy.items() if k.startswith("accept_")})
-        return out
+        ev = evaluate(self.engine, problems, self.task, self.tokenizer, self.rl,
+                      seed=self.rank_seed(0))  # fmt: skip
+        return eval_metrics(ev, self.device)  # the code of `birkhoff eval` (rl/evaluate.py)
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        extra = {"engine_version": self.engine.weight_version, "preset": self.preset.name}
-        if self.dist.enabled:
-            save_sharded(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step,
-                         extra=extra)  # fmt: skip
-            return
-        save_checkpoint(
-            self.out / CHECKPOINT_DIR,
-            self.model,
-            self.optimizer,
-            step=self.step,
-            extra=extra,
-        )
+        extra = {
+            "engine_version": self.engine.weight_version,
+            "preset": self.preset.name,
+            "config": as_settings(self.preset),
+            **self.skips.state(),
+        }  # the resolved settings, for --resume
+        save = save_sharded if self.dist.enabled else save_checkpoint
+        save(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step, extra=extra)
+        self.checkpoint_step = self.step
 
     def freeze_reference(self) -> Transformer:
         """A frozen copy of the current policy, saved atomically so a resumed run reuses it."""
@@ -303,7 +309,8 @@ class GRPORun:
                                           restore_rng=True)[2:4]  # fmt: skip
         if extra.get("preset") != self.preset.name:
             raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
-        self.step = step
+        self.step = self.checkpoint_step = step
+        self.skips.restore(extra)
         if self.dist.enabled:
             self.refit()
         else:
@@ -313,30 +320,48 @@ class GRPORun:
             self.log.truncate_after(self.step)
         if (self.out / REFERENCE_DIR).is_dir() and self.rl.loss.kl_weight > 0:
             reference = Transformer(self.preset.model).to(self.device)
+            apply_kernels(reference, self.preset.train.kernels)
             load_checkpoint(self.out / REFERENCE_DIR, model=reference)
             self.reference = reference.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, *, stop_after: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
-        """Run (or continue) to the last step; `stop_after` ends early at that global step.
+    def run(
+        self, *, stop_after: int | None = None, progress: bool = True, stop: StopFlag | None = None
+    ) -> list[dict[str, Any]]:
+        """Run (or continue) to the last step; return the rows written.
 
-        The engine is refit at the end of the warm-up and after every GRPO step, so each eval
-        sees the trainer's current weights.
+        The run ends early, with a checkpoint of the steps done, after global step `stop_after`
+        or at the first step boundary after `stop` was raised (a signal: runtime.stop);
+        `stopped_by` then says which. The engine is refit at the end of the warm-up and after
+        every GRPO step, so each eval sees the trainer's current weights.
         """
-        stop = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
         rows: list[dict[str, Any]] = []
+        self.stopped_by = None
         with Progress(total=self.total_steps, initial=self.step, desc=self.preset.name,
                       enabled=progress and self.dist.is_main) as bar:  # fmt: skip
-            for row in self.warmup_rows(stop):
-                rows += self.finish_step(row, bar, stop_after)
-            while self.step < stop:
-                rows += self.finish_step(self.grpo_step(), bar, stop_after)
+            steps = self.step_rows()
+            while self.step < self.total_steps:
+                self.stopped_by = self.stop_reason(stop, stop_after)
+                if self.stopped_by is not None:
+                    if self.checkpoint_step != self.step:
+                        self.save()
+                    break
+                rows += self.finish_step(next(steps), bar)
         return rows
 
-    def finish_step(
-        self, row: dict[str, Any], bar: Progress, stop_after: int | None
-    ) -> list[dict[str, Any]]:
+    def stop_reason(self, stop: StopFlag | None, stop_after: int | None) -> str | None:
+        """Why the run stops before its next step, or None; every rank gives the same answer."""
+        reason = stop.reason if stop is not None else None
+        if self.dist.enabled:  # the signal may reach the ranks before different steps
+            flag = {"stop": float(reason is not None)}
+            if reduce_floats(flag, "max", self.device)["stop"] > 0:
+                reason = reason or "a signal to another rank"
+        if reason is None and stop_after is not None and self.step >= stop_after:
+            reason = STOP_AFTER
+        return reason
+
+    def finish_step(self, row: dict[str, Any], bar: Progress) -> list[dict[str, Any]]:
         """After a step: refit at the end of the warm-up, evaluate, log, checkpoint."""
         self.step += 1
         rows = [row]
@@ -347,19 +372,25 @@ class GRPORun:
             grpo_done > 0 and (grpo_done % self.rl.eval_every == 0 or self.step == self.total_steps)
         ):
             rows.append({"phase": "eval", "step": self.step, **self.evaluate_generated()})
+        self.skips.count(row)
         for r in rows:
             if self.dist.is_main:
                 self.log.append(r)
         bar.update(self.log.postfix())
-        if self.should_checkpoint() or self.step == stop_after:
+        self.skips.check(row["step"], checkpoint=self.out / CHECKPOINT_DIR,
+                         checkpoint_step=self.checkpoint_step)  # fmt: skip
+        if self.should_checkpoint():
             self.save()
         return rows
 
     def should_checkpoint(self) -> bool:
+        """At the end, at the end of the warm-up, and every `checkpoint_every` steps of each
+        phase (counted from the phase's start)."""
         every = self.rl.checkpoint_every
         grpo_done = self.step - self.rl.warmup_steps
+        in_phase = self.step if grpo_done < 0 else grpo_done
         return (
             self.step == self.total_steps
             or grpo_done == 0
-            or (every > 0 and grpo_done > 0 and grpo_done % every == 0)
+            or (every > 0 and in_phase > 0 and in_phase % every == 0)
         )

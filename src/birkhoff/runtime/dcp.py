@@ -48,6 +48,8 @@ from birkhoff.runtime.checkpoint import (
     commit_dir,
     parse_config,
     parse_json,
+    read_manifest,
+    read_verified,
     restore_rng_state,
     save_checkpoint,
     torch_bytes,
@@ -161,6 +163,14 @@ def read_sharded_meta(path: Path) -> ShardedCheckpoint:
     cfg = parse_config(path / CONFIG_FILE, (path / CONFIG_FILE).read_bytes())
     return ShardedCheckpoint(cfg, int(meta["step"]), dict(meta.get("extra", {})),
                              int(meta["world_size"]))  # fmt: skip
+
+
+def checkpoint_extra(path: Path) -> dict[str, Any]:
+    """The `extra` metadata of a checkpoint of either format (verified), without its weights."""
+    if is_sharded_checkpoint(path):
+        return read_sharded_meta(path).extra
+    meta = read_verified(path, read_manifest(path), META_FILE)
+    return dict(parse_json(path / META_FILE, meta).get("extra", {}))
 
 
 def load_sharded(

@@ -78,7 +78,10 @@ def parse_line(text: str) -> Problem:
         raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from err
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    prompt, answer = record.get("prompt"), record.get("answer")
+    missing = [key for key in ("prompt", "answer") if key not in record]
+    if missing:
+        raise ValueError(f"no {' and no '.join(repr(k) for k in missing)} key")
+    prompt, answer = record["prompt"], record["answer"]
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string, got {prompt!r}")
     if not prompt.strip():

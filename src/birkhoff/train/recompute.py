@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from birkhoff.config import ModelConfig
+from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.transformer import Transformer
 from birkhoff.recompute import RECLAIM_MODES, checkpoint
 from birkhoff.train.config import ReclaimMode, TrainConfig
@@ -95,8 +96,10 @@ def compile_blocks(model: Transformer, **compile_kwargs: Any) -> Transformer:
 
 
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, *, device: torch.device) -> Transformer:
-    """A freshly initialised model on `device`, recompute or compile applied as `cfg` says."""
+    """A freshly initialised model on `device`, its kernels, recompute and compile applied as
+    `cfg` says."""
     model = Transformer(model_cfg).to(device)
+    apply_kernels(model, cfg.kernels)
     if cfg.recompute == "full":
         apply_recompute(model, reclaim=cfg.reclaim)
     if cfg.compile:
