@@ -14,13 +14,14 @@ smollm2 GRPO run uses (dim 576, 30 layers, 9 / 3 heads, S = 4, M = 1, tied embed
 autocast and full recompute on CUDA). Each (V, path) runs in a fresh process, so one that runs
 out of memory is reported as "oom" and the others still run:
 - cuda: `torch.cuda.max_memory_allocated` of the second update (the first allocates AdamW's
-  state and warms cuBLAS); `base` is what is allocated before it (weights, gradients' absence,
-  optimizer state).
+  state and warms cuBLAS; `max_memory_reserved` is kept as `peak_reserved_bytes`); `base` is
+  what is allocated before it (weights and optimizer state).
 - cpu: the process's peak RSS (`ru_maxrss`) over one update; `base` is the RSS before it
   (weights and the interpreter; AdamW's state is part of the update here).
 The "before" path computes each head's logprobs once (the main loss and the GRPO ratio share
 them); the code it replaces also ran a second fp32 log-softmax for the main loss, so the figure
-understates what that code held. Prints a table and writes benchmarks/results/grpo_memory-
+understates what that code held. The SmolLM2 trunk is run at V = 151,936 too: only the head
+changes with the vocabulary. Prints a table and writes benchmarks/results/grpo_memory-
 <device>.json.
 """
 
@@ -151,8 +152,10 @@ def measure(args: argparse.Namespace, vocab: int, path: str) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+    extra: dict[str, int] = {}
     if cuda:
         peak = torch.cuda.max_memory_allocated()
+        extra["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:  # ru_maxrss is in KiB on Linux
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
@@ -164,6 +167,7 @@ def measure(args: argparse.Namespace, vocab: int, path: str) -> dict[str, Any]:
         "update_bytes": int(peak - base),
         "update_s": round(seconds, 3),
         "loss": metrics["loss"],
+        **extra,
     }
 
 
