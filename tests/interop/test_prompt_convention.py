@@ -30,13 +30,22 @@ LLAMA3_TEMPLATE = (
     "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONVENTIONS = {  # name: (tokenizer_config.json, Llama-style BOS post-processor, BOS expected)
-    "bos-no-template": ({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-                         "chat_template": TEMPLATE}, False, False),
-    "llama-template": ({"bos_token": "<s>", "eos_token": "</s>",
-                        "chat_template": LLAMA3_TEMPLATE}, True, True),
-    "qwen-none": ({"eos_token": "</s>", "pad_token": "<pad>", "chat_template": TEMPLATE},
-                  False, False),
-}  # fmt: skip
+    "bos-no-template": (
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": TEMPLATE},
+        False,
+        False,
+    ),
+    "llama-template": (
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAMA3_TEMPLATE},
+        True,
+        True,
+    ),
+    "qwen-none": (
+        {"eos_token": "</s>", "pad_token": "<pad>", "chat_template": TEMPLATE},
+        False,
+        False,
+    ),
+}
 TEXTS = ["12+34=", "the quick brown fox", " leading space", "a\n\nb  c"]
 
 
@@ -75,8 +84,11 @@ def test_prompt_ids_follow_the_tokenizer(name: str, tmp_path: Path) -> None:
     injected = ours.encode_prompt("</s> is text")  # special-token strings in text stay text
     assert ours.eos_id not in injected and ours.decode(injected) == "</s> is text"
     batch = build_supervised_batch([Problem("1+2=", "3")], ours)
-    assert batch.input_ids[0].tolist() == [*ours.encode_prompt("1+2="), *ours.encode("3"),
-                                           ours.eos_id]  # fmt: skip
+    assert batch.input_ids[0].tolist() == [
+        *ours.encode_prompt("1+2="),
+        *ours.encode("3"),
+        ours.eos_id,
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(CONVENTIONS))
@@ -85,8 +97,9 @@ def test_chat_prompts_follow_the_template(name: str, tmp_path: Path) -> None:
     ours, ref = HFTokenizer.from_dir(path, chat=True), reference(path)
     for text in TEXTS:
         messages = [{"role": "user", "content": text}]
-        expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"]  # fmt: skip
+        expected = ref.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         assert ours.encode_prompt(text) == expected
         # both templates write {{ bos_token }}: one BOS where one exists, never a second one
         # from the post-processor
@@ -118,6 +131,11 @@ def test_continuation_equals_transformers(name: str, tmp_path: Path) -> None:
         ids = tok.encode_prompt(text)
         ours = engine.generate([ids], SamplingParams(8))[0].tokens
         with torch.no_grad():
-            out = hf_model.generate(**ref(text, return_tensors="pt"), max_new_tokens=8,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = hf_model.generate(
+                **ref(text, return_tensors="pt"),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert ours == out[0, len(ids) :].tolist()

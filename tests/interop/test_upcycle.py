@@ -44,13 +44,19 @@ def test_upcycled_logits_equal_dense(case: str, tmp_path: Path) -> None:
 def test_coefficients_at_init_follow_the_derivation(tmp_path: Path) -> None:
     model = upcycled(tmp_path, "llama-gqa", num_streams=4, mtp_depth=1)
     x_BTSD = torch.randn(1, 3, 4, 32)
-    for hc in [model.blocks[0].hc_attn, model.blocks[1].hc_mlp, model.mtp_depths[0].block.hc_attn]:
+    c = upcycle.column_sum(model.cfg)
+    assert 0 < 1 - c < 2e-6  # Sinkhorn's eps: columns sum to s / (s + eps)
+    sublayers = [(model.blocks[0].hc_attn, 0), (model.blocks[1].hc_mlp, 3),
+                 (model.mtp_depths[0].block.hc_attn, 0)]  # fmt: skip
+    for hc, chain_index in sublayers:
         pre, post, res = mhc_coefficients(
             x_BTSD, hc.phi, hc.alpha, hc.bias, iters=hc.iters, norm_eps=hc.norm_eps
         )
         torch.testing.assert_close(pre.sum(-1), torch.ones(1, 3), atol=1e-6, rtol=0)
-        assert torch.equal(post, torch.ones_like(post))
-        torch.testing.assert_close(res.sum(-2), torch.ones(1, 3, 4), atol=1e-5, rtol=0)
+        # H_post = c^(n+1) makes up for the residual's c per sublayer (upcycle.py)
+        torch.testing.assert_close(post, torch.full_like(post, c ** (chain_index + 1)),
+                                   atol=1e-7, rtol=0)  # fmt: skip
+        torch.testing.assert_close(res.sum(-2), torch.full((1, 3, 4), c), atol=1e-7, rtol=0)
         assert len(set(pre[0, 0].tolist())) == 2  # home stream weighted: not uniform
     with torch.no_grad():
         streams_BTSD = model.decoder(ids()).multistream

@@ -25,7 +25,8 @@ def test_shift_targets_hand_made() -> None:
 
 def test_all_masked_batch_gives_zero_not_nan() -> None:
     loss = masked_token_ce(
-        torch.randn(1, 3, 5),
+        torch.randn(1, 3, 4),
+        torch.randn(5, 4),
         torch.zeros(1, 3, dtype=torch.long),
         torch.zeros(1, 3, dtype=torch.bool),
     )

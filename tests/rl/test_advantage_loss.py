@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from birkhoff.rl.advantage import group_advantages
-from birkhoff.rl.loss import GRPOLossConfig, grpo_loss, token_logprobs
+from birkhoff.rl.loss import GRPOLossConfig, grpo_loss
 
 
 def test_group_advantages_hand_example() -> None:
@@ -62,10 +62,3 @@ def test_kl_term_is_zero_at_reference_and_positive_elsewhere() -> None:
     d = 0.3
     assert m1["kl_ref"] == pytest.approx(math.exp(d) - d - 1)
     assert loss.item() == pytest.approx(0.5 * m1["kl_ref"])
-
-
-def test_token_logprobs_matches_log_softmax() -> None:
-    logits = torch.randn(2, 3, 7)
-    tokens = torch.randint(0, 7, (2, 3))
-    ref = torch.log_softmax(logits, -1)[torch.arange(2)[:, None], torch.arange(3), tokens]
-    assert torch.allclose(token_logprobs(logits, tokens), ref)

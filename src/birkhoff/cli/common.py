@@ -14,11 +14,16 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 class UsageError(Exception):
     """A user error the CLI reports as one line with exit code 2."""
+
+
+class RunFailed(Exception):
+    """A run that could not go on (e.g. non-finite losses); one line, exit code 1."""
 
 
 def resolve_device(name: str) -> str:

@@ -22,7 +22,7 @@ def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
 
 
 def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    add_hf_arguments(parser, "HuggingFace checkpoint directory")
+    add_hf_arguments(parser, "HuggingFace checkpoint directory, or a .gguf file")
     parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
     parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
@@ -39,11 +39,14 @@ def check_out(args: argparse.Namespace) -> None:
 
 
 def run_import_hf(args: argparse.Namespace) -> Path:
-    """Import `args.source` into a birkhoff checkpoint at `args.out`; returns its path."""
+    """Import `args.source` (an HF directory or a GGUF file) into a birkhoff checkpoint at
+    `args.out`; returns its path."""
+    from birkhoff.interop.gguf import import_gguf
     from birkhoff.interop.hf import import_hf
 
     check_out(args)
-    return import_hf(
+    convert = import_gguf if args.source.suffix == ".gguf" else import_hf
+    return convert(
         args.source,
         args.out,
         num_streams=args.streams,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
     OVERWRITE_HINT,
+    RunFailed,
     UsageError,
     add_job_arguments,
     is_main,
@@ -134,6 +135,7 @@ def run_grpo(
     from birkhoff.runtime.metrics import plot_run
     from birkhoff.runtime.stop import exit_code, resume_command
     from birkhoff.tasks.guard import VerifierFailureError
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     grpo = GRPORun(preset, out, device=device, **inputs)
@@ -153,6 +155,8 @@ def run_grpo(
         grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
+    except NonFiniteError as err:
+        raise RunFailed(f"run stopped: {err}") from err
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:
@@ -223,8 +227,9 @@ def resume_notes(path: Path, preset: Preset) -> list[str]:
         return []
     before = flatten(recorded)
     now = flatten(json.loads(json.dumps(as_settings(preset))))
-    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
-    lines = [f"  {k}: {json.dumps(before.get(k))} -> {json.dumps(now.get(k))}" for k in changed]
+    # settings on one side only are fields added or removed since: not the run's to compare
+    changed = [k for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    lines = [f"  {k}: {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in changed]
     fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
     if fixed:
         more = len(fixed) - MAX_DIFF_LINES

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from birkhoff.cli.common import (
+    RunFailed,
     UsageError,
     add_job_arguments,
     is_main,
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from birkhoff.overrides import as_settings
     from birkhoff.tasks.problems import get_task
     from birkhoff.train.loop import run_training, summary_lines
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     task = get_task(preset.task, **preset.task_options)
@@ -59,16 +61,12 @@ def run(args: argparse.Namespace) -> int:
         "task_options": preset.task_options,
         "config": as_settings(preset),
     }
-    summary = run_training(
-        preset.model,
-        train,
-        task,
-        args.out,
-        device=torch.device(device),
-        progress=not args.no_progress,
-        name=preset.name,
-        extra=extra,
-    )
+    try:
+        summary = run_training(preset.model, train, task, args.out, device=torch.device(device),
+                               progress=not args.no_progress, name=preset.name,
+                               extra=extra)  # fmt: skip
+    except NonFiniteError as err:
+        raise RunFailed(f"training stopped: {err}") from err
     if is_main():
         for line in summary_lines(summary):
             print(line)

@@ -35,7 +35,12 @@ from torch import Tensor
 
 from birkhoff.config import ModelConfig
 from birkhoff.interop.hf_config import model_config_from_hf
-from birkhoff.interop.streaming import SafetensorsSource, StreamingWriter, TensorSpec
+from birkhoff.interop.streaming import (
+    SafetensorsSource,
+    StreamingWriter,
+    TensorSource,
+    TensorSpec,
+)
 from birkhoff.interop.upcycle import hyper_tensor, is_upcycled, mtp_built_tensor, mtp_source
 from birkhoff.model.transformer import Transformer
 from birkhoff.runtime.checkpoint import (
@@ -117,7 +122,7 @@ def expected_specs(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[s
     return shapes, aliases
 
 
-def map_source(source: SafetensorsSource, cfg: ModelConfig) -> dict[str, str]:
+def map_source(source: TensorSource, cfg: ModelConfig) -> dict[str, str]:
     """Trainer name -> source name for every dense tensor; unknown source tensors raise."""
     mapped, unknown = {}, []
     for name in source.names():
@@ -140,7 +145,7 @@ Producer = Callable[[], Tensor]
 
 
 def plan_tensors(
-    cfg: ModelConfig, source: SafetensorsSource
+    cfg: ModelConfig, source: TensorSource
 ) -> tuple[list[tuple[str, TensorSpec]], dict[str, Producer], dict[str, str]]:
     """(write plan, name -> tensor producer, aliases): dense, copied-for-MTP and upcycled tensors.
 
@@ -208,6 +213,40 @@ def side_files(directory: Path) -> dict[str, bytes]:
     }
 
 
+def write_imported(
+    out: str | os.PathLike[str],
+    cfg: ModelConfig,
+    source: TensorSource,
+    *,
+    extra: dict[str, Any],
+    side: dict[str, bytes],
+) -> Path:
+    """The checkpoint of `cfg` at `out`, tensors streamed from `source`, `side` files beside."""
+    plan, producers, aliases = plan_tensors(cfg, source)
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": 0,
+        "aliases": aliases,
+        "has_optimizer": False,
+        "torch": torch.__version__,
+        "extra": extra,
+    }
+
+    def write_model(tmp: Path) -> tuple[int, str]:
+        writer = StreamingWriter(tmp / MODEL_FILE, plan)
+        for name, _ in plan:
+            writer.write(name, producers[name]())
+        return writer.close()
+
+    files = {
+        CONFIG_FILE: cfg.to_json().encode(),
+        RNG_FILE: torch_bytes(capture_rng_state()),
+        META_FILE: json.dumps(meta, indent=2, sort_keys=True).encode(),
+        **side,
+    }
+    return write_checkpoint_dir(Path(out), files, write_model)
+
+
 def import_hf(
     directory: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -229,29 +268,6 @@ def import_hf(
     cfg = model_config_from_hf(
         hf, num_streams=num_streams, mtp_depth=mtp_depth, max_seq_len=max_seq_len
     )
-    source = SafetensorsSource(src)
-    plan, producers, aliases = plan_tensors(cfg, source)
     extra = {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}
-    meta = {
-        "format": FORMAT_VERSION,
-        "step": 0,
-        "aliases": aliases,
-        "has_optimizer": False,
-        "torch": torch.__version__,
-        "extra": extra,
-    }
-
-    def write_model(tmp: Path) -> tuple[int, str]:
-        writer = StreamingWriter(tmp / MODEL_FILE, plan)
-        for name, _ in plan:
-            writer.write(name, producers[name]())
-        return writer.close()
-
-    files = {
-        CONFIG_FILE: cfg.to_json().encode(),
-        RNG_FILE: torch_bytes(capture_rng_state()),
-        META_FILE: json.dumps(meta, indent=2, sort_keys=True).encode(),
-        HF_CONFIG_FILE: hf_bytes,
-        **side_files(src),
-    }
-    return write_checkpoint_dir(Path(out), files, write_model)
+    side = {HF_CONFIG_FILE: hf_bytes, **side_files(src)}
+    return write_imported(out, cfg, SafetensorsSource(src), extra=extra, side=side)

@@ -19,7 +19,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
@@ -45,6 +45,18 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+class TensorSource(Protocol):
+    """Named tensors read one at a time (a safetensors checkpoint, a GGUF file)."""
+
+    def names(self) -> list[str]: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def spec(self, name: str) -> TensorSpec: ...
+
+    def get(self, name: str) -> Tensor: ...
 
 
 def dtype_of_name(name: str) -> torch.dtype:

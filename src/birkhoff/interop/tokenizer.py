@@ -90,8 +90,11 @@ class HFTokenizer:
         self.eos_id = self.token_id(eos_token, "eos_token")
         self.bos_id = None if bos_token is None else self.token_id(bos_token, "bos_token")
         self.pad_id = self.eos_id if pad_token is None else self.token_id(pad_token, "pad_token")
-        self.special_tokens = {"eos_token": eos_token, "bos_token": bos_token or "",
-                               "pad_token": pad_token or eos_token}  # fmt: skip
+        self.special_tokens = {
+            "eos_token": eos_token,
+            "bos_token": bos_token or "",
+            "pad_token": pad_token or eos_token,
+        }
         self.chat_template = chat_template
         self.chat = chat  # prompts are user messages rendered through the chat template
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))

@@ -10,11 +10,21 @@ Why the logits equal the dense model's (derivation, model/hyper.py for the math)
     stream k output H_post[k] F + sum_j H_res[j,k] x_j = F + x    iff H_post[k] = 1 and the
                     columns of H_res sum to 1 (any doubly stochastic H_res),
   so each sublayer is exactly the dense residual step and the streams stay equal to the dense
-  residual stream. H_post = 2 sigmoid(0) = 1 needs b_post = 0; H_pre[j] = sigmoid(b_pre[j]) + eps
+  residual stream. H_post = 2 sigmoid(b_post) = 1 needs b_post = 0 (but see the next point);
+  H_pre[j] = sigmoid(b_pre[j]) + eps
   with b_pre[j] = logit(w_j - eps) and sum_j w_j = 1 gives sum_j H_pre[j] = 1. The output
   contraction gets the same weights, so it returns x and the final norm and lm_head see the dense
-  hidden state. What remains is rounding and Sinkhorn's eps (column sums s / (s + 1e-6)):
-  relative deviations of ~1e-6 per sublayer.
+  hidden state.
+- Sinkhorn's eps makes every column sum of H_res c = s / (s + eps) ~ 1 - 1e-6, not 1: the
+  residual would shrink by c per sublayer, ~6e-5 relative over a 30-layer model, enough to
+  move SmolLM2's logits by ~3e-3. Sublayer n (counted along the residual chain: 2 * layer +
+  (0 attention | 1 MLP)) therefore gets H_post = c^(n+1) instead of 1: with x_n = c^n y_n,
+        x_(n+1) = c x_n + c^(n+1) F(norm(x_n)) = c^(n+1) (y_n + F(norm(y_n))),
+  because the sublayer's RMSNorm does not see the scale. The streams are the dense residual
+  stream y times c^n, and the final RMSNorm removes that factor: what remains is rounding.
+  c is computed by the model's own `sinkhorn` in fp32 on the static logits. The streams stay
+  equal, so the contraction and the MTP depths (whose input norms drop the scale) see them as
+  before.
 - Symmetry breaking: the weights w are not uniform. The sublayer's home stream gets
   w = 1 - (S-1) r and the others r (r = 0.05), and the home stream rotates with the sublayer
   (block.py). The gradient reaching stream j through a sublayer input is H_pre[j] times the
@@ -35,6 +45,7 @@ import torch
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
+from birkhoff.model.hyper import sinkhorn
 
 OFF_HOME_WEIGHT = 0.05  # r above: the weight of a non-home stream in H_pre and the contraction
 HC_PATTERN = re.compile(r"^(?:layers\.(\d+)|mtp\.(\d+)\.block)\.hc_(attn|mlp)\.(phi|alpha|bias)$")
@@ -56,11 +67,29 @@ def pre_bias(num_streams: int, home: int, eps: float) -> Tensor:
     return torch.log(p / (1 - p)).float()
 
 
-def hyper_bias(num_streams: int, home: int, eps: float) -> Tensor:
-    """Static bias [pre | post | res] of one upcycled sublayer: sum H_pre = 1, H_post = 1."""
-    S = num_streams
-    res = 6.0 * torch.eye(S) - 3.0  # any doubly stochastic H_res keeps the dense output
-    return torch.cat((pre_bias(S, home, eps), torch.zeros(S), res.flatten()))
+def residual_logits(num_streams: int) -> Tensor:
+    """Static H_res logits 6I - 3 (any doubly stochastic H_res keeps the dense output)."""
+    return 6.0 * torch.eye(num_streams) - 3.0
+
+
+def column_sum(cfg: ModelConfig) -> float:
+    """c: the column sum of the upcycled H_res as the model computes it (fp32 Sinkhorn)."""
+    h_res = sinkhorn(residual_logits(cfg.num_streams), cfg.sinkhorn_iters, cfg.mhc_eps)
+    return float(h_res.sum(dim=-2).double().mean())
+
+
+def post_bias(num_streams: int, gain: float) -> Tensor:
+    """b_post with H_post = 2 sigmoid(b_post) = gain on every stream, fp32."""
+    p = torch.full((num_streams,), gain / 2, dtype=torch.float64)
+    return torch.log(p / (1 - p)).float()
+
+
+def hyper_bias(cfg: ModelConfig, home: int, chain_index: int) -> Tensor:
+    """Static bias [pre | post | res] of one upcycled sublayer: sum H_pre = 1 and
+    H_post = c^(chain_index + 1) (the derivation above)."""
+    S = cfg.num_streams
+    post = post_bias(S, column_sum(cfg) ** (chain_index + 1))
+    return torch.cat((pre_bias(S, home, cfg.mhc_eps), post, residual_logits(S).flatten()))
 
 
 def is_upcycled(name: str) -> bool:
@@ -76,10 +105,12 @@ def hyper_tensor(cfg: ModelConfig, name: str) -> Tensor:
         layer_s, depth_s, sublayer, param = hc.groups()
         index = int(layer_s) if layer_s is not None else cfg.num_layers + int(depth_s)
         home = 2 * index + (sublayer == "mlp")  # as block.py assigns homes
+        # an MTP depth's chain starts at its own input projection (its RMSNorms drop the scale)
+        chain_index = home if layer_s is not None else int(sublayer == "mlp")
         values = {
             "phi": lambda: torch.zeros(S * S + 2 * S, S * D),
             "alpha": lambda: torch.full((3,), 0.01),
-            "bias": lambda: hyper_bias(S, home, cfg.mhc_eps),
+            "bias": lambda: hyper_bias(cfg, home, chain_index),
         }
         return values[param]()
     contraction = CONTRACTION_PATTERN.match(name)

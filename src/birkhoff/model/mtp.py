@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
 from birkhoff.model.block import Block
 from birkhoff.model.hyper import build_contraction
 from birkhoff.model.layers import RMSNorm, rms_norm
+from birkhoff.model.logprobs import token_logprobs
 
 
 def shift_targets(labels_BT: Tensor, mask_BT: Tensor, shift: int) -> tuple[Tensor, Tensor]:
@@ -39,14 +39,18 @@ def shift_targets(labels_BT: Tensor, mask_BT: Tensor, shift: int) -> tuple[Tenso
     return targets_BT, shifted_BT
 
 
-def masked_token_ce(logits_BTV: Tensor, targets_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Mean cross-entropy over masked-in tokens (computed in >= fp32; 0 when nothing is in)."""
-    dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-    nll_BT = F.cross_entropy(
-        logits_BTV.to(dtype).flatten(0, 1), targets_BT.flatten(), reduction="none"
-    ).view_as(targets_BT)
-    mask = mask_BT.to(dtype)
-    return (nll_BT * mask).sum() / mask.sum().clamp(min=1.0)
+def masked_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean of x over masked-in positions (0 when nothing is in: the count is clamped to 1)."""
+    mask = mask_BT.to(x_BT.dtype)
+    return (x_BT * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_token_ce(
+    hidden_BTD: Tensor, weight_VD: Tensor, targets_BT: Tensor, mask_BT: Tensor
+) -> Tensor:
+    """Mean cross-entropy of the head `weight_VD` over masked-in tokens (>= fp32, chunked:
+    `token_logprobs`; 0 when nothing is in)."""
+    return masked_mean(-token_logprobs(hidden_BTD, weight_VD, targets_BT).logp, mask_BT)
 
 
 def combine_losses(main: Tensor, mtp_losses: list[Tensor], weight: float) -> Tensor:

@@ -4,8 +4,12 @@ Legend: B batch, T tokens, S streams, D model dim, V vocab, M MTP depth.
 
 Data contract: `decoder()` returns both the contracted hidden state [B,T,D] (normed, ready for
 lm_head) and the pre-contraction multistream [B,T,S,D]; the MTP depths consume the multistream.
-`forward()` computes the main next-token loss and one loss per MTP depth from the input ids
-(`labels` are the input ids; shifts happen inside, see mtp.py).
+`forward()` without labels returns the main head's logits [B,T,V]. With labels (the input ids;
+shifts happen inside, see mtp.py) it returns the main next-token loss, one loss per MTP depth,
+and the main head's per-position logprob of the next label and argmax, all through
+`model.logprobs.token_logprobs` (chunked over tokens): the [B,T,V] logits are never formed, so
+`logits` is None. `temperature` divides the main head's logits for `logp` and the main loss (a
+GRPO update scores the sampled tokens under the rollout's temperature); MTP losses stay at 1.
 
 Recompute is not the model's business: `birkhoff.train.recompute.apply_recompute` wraps every block
 and every MTP depth (its merge and block as one unit) from outside, keeping every parameter name.
@@ -26,7 +30,8 @@ from birkhoff.config import ModelConfig
 from birkhoff.model.block import Block
 from birkhoff.model.hyper import build_contraction, expand_streams
 from birkhoff.model.layers import RMSNorm, rope_tables
-from birkhoff.model.mtp import MTPDepth, combine_losses, masked_token_ce, shift_targets
+from birkhoff.model.logprobs import token_logprobs
+from birkhoff.model.mtp import MTPDepth, combine_losses, masked_mean, masked_token_ce, shift_targets
 
 
 class DecoderOutput(NamedTuple):
@@ -35,10 +40,12 @@ class DecoderOutput(NamedTuple):
 
 
 class TransformerOutput(NamedTuple):
-    logits: Tensor  # [B,T,V] main head
+    logits: Tensor | None  # [B,T,V] main head; None when labels are given
     loss: Tensor | None  # L_main + lambda/M sum_k L_k
     main_loss: Tensor | None
     mtp_losses: list[Tensor]  # one scalar per depth; empty when M = 0
+    logp: Tensor | None = None  # [B,T] >= fp32: log p(labels[i+1]) at position i (last: masked)
+    argmax: Tensor | None = None  # [B,T] the main head's most likely token at position i
 
 
 _CHECK_VALUES: ContextVar[bool] = ContextVar("check_token_values", default=True)
@@ -129,24 +136,31 @@ class Transformer(nn.Module):
         return outs
 
     def forward(
-        self, input_ids: Tensor, labels: Tensor | None = None, loss_mask: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+        *,
+        temperature: float = 1.0,
     ) -> TransformerOutput:
         cfg = self.cfg
         check_token_ids(
             input_ids, name="input_ids", vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len
         )
         out = self.decoder(input_ids)
-        logits_BTV = self.lm_head(out.hidden)
         if labels is None:
-            return TransformerOutput(logits_BTV, None, None, [])
+            return TransformerOutput(self.lm_head(out.hidden), None, None, [])
         mask_BT = self.check_labels(input_ids, labels, loss_mask)
-        main = masked_token_ce(logits_BTV, *shift_targets(labels, mask_BT, 1))
+        weight_VD = self.lm_head.weight  # the MTP depths share it
+        targets_BT, in_BT = shift_targets(labels, mask_BT, 1)
+        head = token_logprobs(out.hidden, weight_VD, targets_BT, temperature=temperature)
+        main = masked_mean(-head.logp, in_BT)
         mtp_losses = [
-            masked_token_ce(self.lm_head(h_BTD), *shift_targets(labels, mask_BT, k + 1))
+            masked_token_ce(h_BTD, weight_VD, *shift_targets(labels, mask_BT, k + 1))
             for k, h_BTD in enumerate(self.mtp_hidden(out.multistream, input_ids), start=1)
         ]
         loss = combine_losses(main, mtp_losses, cfg.mtp_loss_weight)
-        return TransformerOutput(logits_BTV, loss, main, mtp_losses)
+        return TransformerOutput(None, loss, main, mtp_losses, head.logp, head.argmax)
 
     def check_labels(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor | None) -> Tensor:
         if labels.shape != input_ids.shape:

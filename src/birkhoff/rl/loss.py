@@ -11,6 +11,8 @@ Over several ranks the loss divides by `num_tokens`, the count of the whole glob
 ranks' losses sum to the single-process loss; the metrics stay means over the rank's tokens.
 `logp_rollout` comes from the engine that sampled the tokens (the behaviour policy), so the
 ratio also corrects the engine/trainer numeric mismatch and any staleness within the bound.
+The trainer's `logp` comes from the model (`TransformerOutput.logp`, chunked over tokens by
+`birkhoff.model.logprobs.token_logprobs`), never from a [B,T,V] tensor of logits.
 """
 
 from __future__ import annotations
@@ -33,13 +35,6 @@ class GRPOLossConfig:
         check(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
         check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
         check(self.kl_weight >= 0, "kl_weight", self.kl_weight, "must be >= 0")
-
-
-def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor) -> Tensor:
-    """log softmax(logits)[token] in >= fp32, [B,T]."""
-    dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
-    logp_BTV = torch.log_softmax(logits_BTV.to(dtype), dim=-1)
-    return logp_BTV.gather(-1, tokens_BT[..., None]).squeeze(-1)
 
 
 def grpo_loss(

@@ -20,8 +20,8 @@ Design choices:
   model's own read of the ids' range (`token_values_unchecked`: a host sync); `check_batch`
   does it for every replayed batch. Autocast is entered and left inside the capture
   (`forward_context`), so its cache of weight casts lives and dies within one replay, and the
-  graphed step keeps the plain step's numerics (a tied weight's two uses still share one cast,
-  whose gradient sums in bf16).
+  graphed step keeps the plain step's numerics (the head's logprobs, `token_logprobs`, cast
+  their weight themselves and allocate per chunk inside the capture, syncing nothing).
 - Gradients: the capture's backward allocates every `.grad` in the graph's memory pool; each
   replay rewrites those tensors in place and the call points `param.grad` at them again. So
   `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a

@@ -50,7 +50,13 @@ from birkhoff.train.config import TrainConfig
 from birkhoff.train.graph import StepGraphs, bucketed_length
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
-from birkhoff.train.step import answer_accuracy, model_device, supervised_loss, train_step
+from birkhoff.train.step import (
+    SkipCounter,
+    answer_accuracy,
+    model_device,
+    supervised_loss,
+    train_step,
+)
 
 NUM_EVAL_PROBLEMS = 256
 
@@ -98,8 +104,8 @@ def teacher_forced_accuracy(
     """Exact-match rate of the argmax answers given the true prefix (= greedy exact match)."""
     model.eval()
     batch = build_supervised_batch(problems, tokenizer).to(model_device(model))
-    logits_BTV = model(batch.input_ids).logits
-    return float(answer_accuracy(logits_BTV, batch.input_ids, batch.loss_mask)[1])
+    out = model(batch.input_ids, labels=batch.input_ids, loss_mask=batch.loss_mask)
+    return float(answer_accuracy(out.argmax, batch.input_ids, batch.loss_mask)[1])
 
 
 def run_training(
@@ -129,15 +135,18 @@ def run_training(
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     log, history, start = MetricsLog(out_dir / "metrics.jsonl"), [], time.perf_counter()
     rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
-    enabled = progress and ctx.is_main
+    enabled, skips = progress and ctx.is_main, SkipCounter(cfg.max_skipped_in_row)
     with Progress(total=cfg.num_steps, desc=f"train {name}", enabled=enabled) as bar:
         for row in rows:
             history.append(row)
             step = row["step"]
-            if ctx.is_main and (step % cfg.log_every == 0 or step == cfg.num_steps - 1):
+            skips.count(row)
+            due = step % cfg.log_every == 0 or step == cfg.num_steps - 1 or row["skipped"]
+            if ctx.is_main and due:
                 log.append(row | {"elapsed_s": round(time.perf_counter() - start, 3)})
             bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
                         if k in row})  # fmt: skip
+            skips.check(step, checkpoint=out_dir / "checkpoint", checkpoint_step=None)
     eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
     meta = {**(extra or {}), "seed": cfg.seed, "eval_exact_match": eval_after}
     save = save_sharded if ctx.enabled else save_checkpoint
