@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from birkhoff.cli import consolidate, generate, hf, presets, run, train
+from birkhoff.cli import consolidate, evaluate, generate, hf, presets, run, train
 from birkhoff.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -31,6 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, AddArguments, Callable[..., int]]] = {
         "supervised warm-up, then GRPO with the engine in the loop",
         run.add_arguments,
         run.run,
+    ),
+    "eval": (
+        "a checkpoint on a task or a JSONL file: pass@1, pass@k, reward, tokens/s",
+        evaluate.add_arguments,
+        evaluate.run,
     ),
     "presets": (
         "list the presets, or print one's settings as TOML",

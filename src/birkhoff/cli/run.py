@@ -234,8 +234,9 @@ def resume_notes(path: Path, preset: Preset) -> list[str]:
         return []
     before = flatten(recorded)
     now = flatten(json.loads(json.dumps(as_settings(preset))))
-    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
-    lines = [f"  {k}: {json.dumps(before.get(k))} -> {json.dumps(now.get(k))}" for k in changed]
+    # settings on one side only are fields added or removed since: not the run's to compare
+    changed = [k for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    lines = [f"  {k}: {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in changed]
     fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
     if fixed:
         more = len(fixed) - MAX_DIFF_LINES

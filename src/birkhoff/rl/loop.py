@@ -47,6 +47,7 @@ from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
+from birkhoff.rl.evaluate import eval_metrics, evaluate
 from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
@@ -267,12 +268,9 @@ class GRPORun:
         if not self.eval_problems:
             return {}
         problems = take(self.eval_problems, self.dist)  # each rank evaluates its share
-        args = (self.engine, problems, self.task, self.tokenizer, self.rl)
-        greedy = rollout_metrics(rollout(*args, seed=self.rank_seed(0), greedy=True), self.device)
-        sampled = rollout_metrics(rollout(*args, seed=self.rank_seed(0)), self.device)
-        out = {"eval_reward": greedy["reward"], "eval_sampled_reward": sampled["reward"]}
-        out.update({f"eval_{k}": v for k, v in greedy.items() if k.startswith("accept_")})
-        return out
+        ev = evaluate(self.engine, problems, self.task, self.tokenizer, self.rl,
+                      seed=self.rank_seed(0))  # fmt: skip
+        return eval_metrics(ev, self.device)  # the code of `birkhoff eval` (rl/evaluate.py)
 
     # ------------------------------------------------------------------ checkpoints
 
