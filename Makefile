@@ -1,4 +1,6 @@
-# Two entry points: `make run` (the main job on its built-in default) and `make test`.
+# Two entry points: `make run` (the main job on its built-in default) and `make test` (every
+# test). While developing, `make test-fast` skips the tests marked slow (Triton-interpreter
+# subprocesses, sm_90 compile sweeps, end-to-end runs); `make test` still runs them all.
 # Both create .venv on first use; torch is pinned to the CPU wheel so a fresh machine
 # never pulls a multi-GB CUDA build (the package itself accepts torch>=2.11).
 PY := .venv/bin/python
@@ -11,7 +13,7 @@ TORCH ?= torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: run test lint
+.PHONY: run test test-fast lint
 run: .venv/.installed
 	.venv/bin/birkhoff run --preset tiny-cpu --out runs/default --overwrite
 
@@ -22,3 +24,6 @@ lint: .venv/.installed
 
 test: lint
 	$(PY) -m pytest -n auto --dist worksteal
+
+test-fast: .venv/.installed
+	$(PY) -m pytest -n auto --dist worksteal -m "not slow"

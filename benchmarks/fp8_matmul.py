@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from common import REPO_ROOT, graph_seconds, json_args, write_result
 
-from birkhoff.engine import fp8_matmul as FM
 from birkhoff.engine.fp8 import FP8_BLOCK, dequantize_fp8_blockwise, quantize_fp8_blockwise
+from birkhoff.kernels import fp8_matmul as FM
 from birkhoff.kernels.gemv import MAX_ROWS, gemv
 
 COPIES = 24

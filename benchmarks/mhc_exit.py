@@ -1,4 +1,4 @@
-"""The engine's fused sublayer exit (`mhc_entry.mix_out_proj`: mix out plus the next entry's
+"""The engine's fused sublayer exit (`mhc.entry.mix_out_proj`: mix out plus the next entry's
 coefficient projection) against the pair of launches it replaces (`mhc.mix_out`, then
 coeff_proj), in the same run, at decode sizes.
 
@@ -7,8 +7,8 @@ Legend: N tokens (a decode step's rows), S streams, D model dim.
 Device microseconds per call: COPIES distinct stream tensors and phis called in turn inside one
 CUDA graph, replayed (`common.graph_seconds`), so each call reads its streams from HBM as a
 decode step's sublayers do. Besides CONFIG's tile, `--variants` times other tiles of the fused
-kernel ("BNxBDxWARPS", read from `mhc_configs.CONFIG` at each call). The entry that reads the
-exit's partials (`mhc_entry.pre_mix_norm`: the coefficients' sum, mix in and RMSNorm) is timed
+kernel ("BNxBDxWARPS", read from `mhc.configs.CONFIG` at each call). The entry that reads the
+exit's partials (`mhc.entry.pre_mix_norm`: the coefficients' sum, mix in and RMSNorm) is timed
 the same way, at CONFIG's launch and at `--entry-variants` ("PROGRAMSxWARPS").
 
   python benchmarks/mhc_exit.py                       # N 1, 64, 256 at the h200-small trunk
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from common import REPO_ROOT, graph_seconds, json_args, write_result
 
-from birkhoff.kernels import mhc, mhc_entry
-from birkhoff.kernels.mhc_configs import CONFIG
-from birkhoff.kernels.mhc_phi import padded_logits
+from birkhoff.kernels import mhc
+from birkhoff.kernels.mhc import coefficients
+from birkhoff.kernels.mhc import entry as mhc_entry
+from birkhoff.kernels.mhc.configs import CONFIG, padded_logits
 
 COPIES = 8
 
@@ -50,7 +51,7 @@ def measure(
     def pair() -> None:
         for x, phi in zip(xs, phis, strict=True):
             y = mhc.mix_out(x, f, post, res)
-            mhc._projection(y, phi, N, padded_logits(P))
+            coefficients.projection(y, phi, N, padded_logits(P))
 
     def fused() -> None:
         for x, phi in zip(xs, phis, strict=True):

@@ -2,7 +2,7 @@
 
 Legend: B batch, T tokens, S streams, D model dim.
 
-For the default `birkhoff.kernels.mhc_configs.CONFIG` and then each variant of `SWEEP` (one
+For the default `birkhoff.kernels.mhc.configs.CONFIG` and then each variant of `SWEEP` (one
 CONFIG entry replaced at a time), times the fused ops that the replaced entry launches, forward
 and forward + backward, at the h200-small shape (B 8, T 2048, S 4, D 768, bf16 by default).
 Each figure is the mean of --repeats calls captured in one CUDA graph and replayed between two
@@ -14,7 +14,7 @@ checked against the default's (max |difference| relative to max |default|, print
 expected: the variants change tiles and launch shapes, "tf32" variants change the dot
 precision, ~1e-3).
 The summary names, per CONFIG key, the variant with the smallest summed time over its ops, and
-prints the CONFIG that results; copy it into mhc_configs.py.
+prints the CONFIG that results; copy it into kernels/mhc/configs.py.
 
   python benchmarks/mhc_sweep.py                    # ~2 minutes on an H200
   python benchmarks/mhc_sweep.py --dtype fp32       # the "_fp32" entries and the shared ones
@@ -44,7 +44,7 @@ from mhc_kernels import (
 )
 from torch import Tensor
 
-from birkhoff.kernels import mhc_configs
+from birkhoff.kernels.mhc import configs as mhc_configs
 
 OPS_OF_KEY = {  # CONFIG key -> (op, backward) pairs whose time it changes
     "coeff_proj": [("coefficients", False), ("coefficients", True), ("sublayer", False)],
@@ -115,9 +115,9 @@ def time_ops(
 
 
 def launched(key: str, dtype: str, config: dict[str, Any]) -> bool:
-    """Whether the ops launch CONFIG[key] on `dtype` streams (as `mhc._launch` picks): an "_fp32"
-    entry on fp32 streams only; any other entry on other streams, and on fp32 streams where it
-    has no "_fp32" twin."""
+    """Whether the ops launch CONFIG[key] on `dtype` streams (as `mhc.configs.launch` picks): an
+    "_fp32" entry on fp32 streams only; any other entry on other streams, and on fp32 streams
+    where it has no "_fp32" twin."""
     if key.endswith("_fp32"):
         return dtype == "fp32"
     return dtype != "fp32" or f"{key}_fp32" not in config

@@ -86,6 +86,21 @@ def grpo_median(key: str, fmt: str, *, scale: float = 1.0, unit: str = "") -> Re
     return read
 
 
+def update_peaks(vocab: int) -> Reader:
+    """grpo_memory.py's peak of one update, before -> after (GiB), and their ratio."""
+
+    def read(data: dict[str, Any]) -> str:
+        rows = {r["path"]: r for r in data["rows"] if r["vocab"] == vocab}
+        peaks = [rows[p].get("peak_bytes") for p in ("before", "after")]
+        text = " -> ".join(
+            rows[p]["status"] if b is None else f"{b * GiB:.2f} GiB"
+            for p, b in zip(("before", "after"), peaks, strict=True)
+        )
+        return text if None in peaks else f"{text} ({peaks[0] / peaks[1]:.2f}x)"
+
+    return read
+
+
 Reader = Callable[[Any], str]
 
 
@@ -270,6 +285,20 @@ SECTIONS = [
                 "train_step-cuda-eager.json",
                 num("variants/S4_M1/step_ms", ".1f", unit=" ms"),
             ),
+        ],
+    ),
+    Section(
+        "GRPO update memory at real vocabularies",
+        "`benchmarks/grpo_memory.py`",
+        "training.md",
+        ("grpo_memory",),
+        [
+            Figure(
+                f"V = {vocab:,}: peak of one update, unchunked -> chunked (small CPU trunk)",
+                "grpo_memory-cpu.json",
+                update_peaks(vocab),
+            )
+            for vocab in (49152, 151936)
         ],
     ),
     Section(

@@ -202,6 +202,22 @@ def leaf_paths(obj: Any, cls: type, prefix: str = "") -> list[str]:
     return out
 
 
+def known_path(path: str) -> bool:
+    """Whether `path` names a setting of today's configs (recorded settings may be older)."""
+    cls: type | None = Preset
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        types_ = field_types(cls) if cls is not None else {}
+        if part not in types_:
+            return False
+        cls = nested_class(types_[part])
+        if cls is None:
+            return len(parts) == i + 1 or (
+                typing.get_origin(types_[part]) is dict and len(parts) == i + 2
+            )
+    return True
+
+
 def apply(preset: Preset, overrides: Sequence[Override]) -> Preset:
     """`preset` with `overrides` applied in order (later wins); ValueError in the user's words."""
     tree: dict[str, Any] = {}

@@ -6,11 +6,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from birkhoff.engine.sampling import (
     RowSampling,
     SamplingParams,
     filter_top_k_top_p,
+    sample_logits,
     sampling_probs,
     target_logprobs,
 )
@@ -81,3 +84,51 @@ def test_target_logprobs_per_row_params() -> None:
     probs_AV = sampling_probs(logp_AV, rs.greedy_A)
     assert probs_AV[0].tolist() == [0.0, 0.0, 1.0, 0.0]  # greedy samples the argmax
     torch.testing.assert_close(probs_AV[1:], logp_AV[1:].exp())
+
+
+def previous_sample_logits(logits_AV: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, ...]:
+    """The former formulation: an fp32 copy of the logits, then the division; an int64 one-hot."""
+    z_AV = logits_AV.to(torch.promote_types(logits_AV.dtype, torch.float32))
+    z_AV = z_AV / rs.temperature_A.to(z_AV.dtype)[:, None]
+    if rs.filtered:
+        z_AV = filter_top_k_top_p(z_AV, rs.top_k_A, rs.top_p_A)
+    logp_AV = z_AV.log_softmax(dim=-1)
+    one_hot_AV = F.one_hot(logp_AV.argmax(dim=-1), logp_AV.shape[-1]).to(logp_AV.dtype)
+    return logp_AV, torch.where(rs.greedy_A[:, None], one_hot_AV, logp_AV.exp())
+
+
+class LargeOutputs(TorchDispatchMode):
+    """Records (op, dtype) of every op output with at least `numel` elements."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.seen = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.seen.append((func.overloadpacket.__name__, t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_sampling_from_bf16_logits_is_bit_exact_without_an_fp32_copy(
+    dtype: torch.dtype, filtered: bool
+) -> None:
+    top_k, top_p = (5, 0.9) if filtered else (0, 1.0)
+    params = [
+        SamplingParams(1),
+        SamplingParams(1, temperature=0.7),
+        SamplingParams(1, temperature=1.3, top_k=top_k, top_p=top_p),
+    ]
+    rs = RowSampling.build(params, torch.device("cpu"))
+    assert rs.filtered == filtered
+    logits_AV = torch.randn(3, 257, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with LargeOutputs(logits_AV.numel()) as ops:
+        logp_AV, probs_AV = sample_logits(logits_AV, rs)
+    want_logp, want_probs = previous_sample_logits(logits_AV, rs)
+    assert torch.equal(logp_AV, want_logp) and torch.equal(probs_AV, want_probs)
+    assert ("_to_copy", torch.float32) not in ops.seen  # no fp32 copy of the logits
+    assert all(d != torch.int64 for op, d in ops.seen if op != "sort")  # no int64 one-hot

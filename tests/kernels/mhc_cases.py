@@ -244,7 +244,8 @@ def check_hyper_entry(
     H_res and mix out bit for bit (CUDA: 1e-6, and two ulps at scale), the normed input too;
     graphed: captured in a CUDA graph (fork and join as graph edges) and replayed on new
     streams. Also `contract_norm`."""
-    from birkhoff.kernels import mhc, mhc_entry, norm_rope
+    from birkhoff.kernels import mhc, norm_rope
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     inp = make_inputs(c, device, dtype)
     x_in, coefficients = inp["x"].clone(), (inp["phi"], inp["alpha"], inp["bias"])
@@ -323,7 +324,8 @@ def check_exit(c: Case, device: str, dtype: torch.dtype = torch.float32) -> None
     The next phi is served (the engine's layout), an fp32 weight with all 24 bits in use; the
     projection is an fp32 dot of the streams as stored in IEEE precision, so each logit is
     within 5e-7 of sum |y phi| from the fp64 product (a phi cut to 16 bits gives 1e-6 to 1e-5)."""
-    from birkhoff.kernels import mhc, mhc_entry
+    from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     inp = make_inputs(c, device, dtype)
     post = torch.rand(c.B, c.T, c.S, device=device) * 2.0

@@ -22,7 +22,7 @@ from mhc_cases import (
 )
 from mhc_model_cases import check_safe_reclaim, check_train_step
 
-from birkhoff.kernels.mhc_configs import CONFIG, SWEEP
+from birkhoff.kernels.mhc.configs import CONFIG, SWEEP
 from birkhoff.model import hyper
 
 pytestmark = pytest.mark.skipif(
@@ -57,8 +57,8 @@ def test_engine_exit_and_entry_at_their_large_batch_tiles(
 ) -> None:
     """With grid targets of 0 and 1 programs the exit takes 32 tokens a program and the entry
     several, as at large batches."""
-    from birkhoff.kernels import mhc_entry
-    from birkhoff.kernels.mhc_configs import CONFIG
+    from birkhoff.kernels.mhc import entry as mhc_entry
+    from birkhoff.kernels.mhc.configs import CONFIG
 
     monkeypatch.setitem(CONFIG, "mix_out_proj", dict(CONFIG["mix_out_proj"], PROGRAMS=0))
     monkeypatch.setitem(CONFIG, "pre_mix_norm", dict(CONFIG["pre_mix_norm"], PROGRAMS=1))
@@ -67,17 +67,17 @@ def test_engine_exit_and_entry_at_their_large_batch_tiles(
 
 
 def test_engine_entry_takes_both_projection_partials_or_neither() -> None:
-    from birkhoff.kernels import mhc_entry
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     inp = make_inputs(Case(S=4), "cpu", torch.float32)
-    inputs = mhc_entry._op_inputs(inp["x"], inp["phi"], inp["alpha"], inp["bias"])
+    inputs = mhc_entry.op_inputs(inp["x"], inp["phi"], inp["alpha"], inp["bias"])
     part = torch.zeros(1, *inp["x"].shape[:2], 32)
     with pytest.raises(ValueError, match="both projection partials"):
         mhc_entry.pre_mix_norm(*inputs, torch.ones(5), 1e-6, 1e-6, 1e-6, part, None)
 
 
 def test_engine_entry_rejects_a_norm_weight_of_another_dim() -> None:
-    from birkhoff.kernels import mhc_entry
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     inp = make_inputs(Case(S=4), "cpu", torch.float32)
     with pytest.raises(ValueError, match="norm weight of shape"):
@@ -123,6 +123,7 @@ def test_fused_sublayer_sends_the_streams_one_gradient() -> None:
 
 def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import coefficients
 
     for key in ("grad_phi", "grad_phi_fp32"):  # 34 tokens: three g_phi blocks
         monkeypatch.setitem(mhc.CONFIG, key, dict(mhc.CONFIG[key], BN=16, TOKENS=16))
@@ -132,7 +133,7 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     proj = dict(mhc.CONFIG["coeff_proj"], BN=16, BC=32, PROGRAMS=12)  # 3 x 4 column splits
     monkeypatch.setitem(mhc.CONFIG, "coeff_proj", proj)
     monkeypatch.setitem(mhc.CONFIG, "mix", dict(mhc.CONFIG["mix"], BN=4, BD=16))  # several D blocks
-    monkeypatch.setattr(mhc, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program, 3 programs
+    monkeypatch.setattr(coefficients, "TAIL_PROGRAMS", 4)  # coeff_tail: 16 tokens a program
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
     check_hyper(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", joint=True)
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu")
@@ -140,14 +141,15 @@ def test_partial_sums_over_several_token_and_column_blocks(monkeypatch: pytest.M
     check_sublayer(Case(S=4, D=40, B=2, T=17, iters=2), "cpu", torch.bfloat16)
     # one decode token (one token a program): 5 column splits, summed two per load (2 + 2 + a
     # masked 1)
-    monkeypatch.setattr(mhc, "TAIL_ELEMENTS", 2 * 1 * 32)
+    monkeypatch.setattr(coefficients, "TAIL_ELEMENTS", 2 * 1 * 32)
     check_hyper(Case(S=4, D=40, B=1, T=1, iters=3), "cpu", joint=True)
 
 
 def test_served_phi_needs_no_transposing_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """phi in the engine's served layout gives the same bits as a contiguous phi, and the
     projection reads it in place (phi_pad_t never runs)."""
-    from birkhoff.kernels import mhc, mhc_triton
+    from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import phi as mhc_phi
 
     gen = torch.Generator().manual_seed(0)
     S, D = 4, 40
@@ -164,7 +166,7 @@ def test_served_phi_needs_no_transposing_launch(monkeypatch: pytest.MonkeyPatch)
         def __getitem__(self, grid: object) -> None:
             raise AssertionError("phi_pad_t launched for a served phi")
 
-    monkeypatch.setattr(mhc_triton, "phi_pad_t", NoLaunch())
+    monkeypatch.setattr(mhc_phi, "phi_pad_t", NoLaunch())
     got = mhc.coefficients_and_mix_in(x, served, alpha, bias, **kw)
     got_c = mhc.contract(x, served_c, alpha[:1], bias[:S], norm_eps=1e-6, eps=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
@@ -231,7 +233,7 @@ def test_custom_op_registration(name: str) -> None:
     # schema, fake impl, autograd registration and the AOT trace of forward and backward, as
     # torch.library checks them (the trace must reach the registered backward's ops as custom
     # ops, not FusedOp's direct kernel launches on fake tensors)
-    import birkhoff.kernels.mhc  # noqa: F401  (registers the ops)
+    import birkhoff.kernels  # noqa: F401  (registers the ops)
 
     args = tuple(
         a.requires_grad_(True) if a.is_floating_point() and a.dim() else a

@@ -161,7 +161,8 @@ def test_fp8_engine_decodes_through_the_fp8_gemv(monkeypatch: pytest.MonkeyPatch
     W) and give the tokens and log-probs of the same engine on its dequantizing path."""
     from mhc_model_cases import build_model, tiny_config
 
-    from birkhoff.engine import Engine, SamplingParams, fp8_matmul
+    from birkhoff.engine import Engine, SamplingParams
+    from birkhoff.kernels import fp8_matmul
     from birkhoff.kernels import gemv as gemv_module
 
     model = build_model(tiny_config(mtp_depth=0, dim=128), "cpu", "triton")

@@ -94,34 +94,35 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
-    from birkhoff.kernels import mhc, mhc_configs, mhc_entry, mhc_mix
-    from birkhoff.kernels import mhc_grad_triton as G
-    from birkhoff.kernels import mhc_mix_triton as M
-    from birkhoff.kernels import mhc_rest_triton as R
-    from birkhoff.kernels import mhc_triton as K
+    from birkhoff.kernels.mhc import coefficients as K
+    from birkhoff.kernels.mhc import configs as mhc_configs
+    from birkhoff.kernels.mhc import entry as mhc_entry
+    from birkhoff.kernels.mhc import mixes as M
+    from birkhoff.kernels.mhc import phi as mhc_phi
+    from birkhoff.kernels.mhc import projection_grad as G
 
     x = torch.empty(0, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     f32, xt = "*fp32", f"*{dtype}"
     types = kernel_types(dtype, floats)
     usage = {}
     for P in (S * S + 2 * S, S):
-        SP, PP = mhc._pads(S, P)
+        SP, PP = mhc_configs.pads(S, P)
         consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S)
-        const, launch = split(mhc._launch("coeff_proj", x, S))
+        const, launch = split(mhc_configs.launch("coeff_proj", x, S))
         const.pop("PROGRAMS")
         terms = dict(phit_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         usage[f"coeff_proj/{P}"] = compile_for_h200(
             K.coeff_proj, types | terms, const | dict(PP=PP, EMU=False), launch
         )
-        const, launch = split(mhc._launch("coeff_tail", x, S))
-        kb = max(1, mhc.TAIL_ELEMENTS // (int(const["BN"]) * PP))  # decode's widest load
+        const, launch = split(mhc_configs.launch("coeff_tail", x, S))
+        kb = max(1, K.TAIL_ELEMENTS // (int(const["BN"]) * PP))  # decode's widest load
         usage[f"coeff_tail/{P}"] = compile_for_h200(
             K.coeff_tail, types, consts | const | dict(PP=PP, KB=kb), launch
         )
         bn = mhc_entry.ENTRY_ELEMENTS // 1024  # the engine's entry at D 768 (BD 1024)
-        entry = dict(S=S, SP=SP, P=P, PP=PP, BN=bn, BD=1024, KB=mhc.TAIL_ELEMENTS // (bn * PP))
+        entry = dict(S=S, SP=SP, P=P, PP=PP, BN=bn, BD=1024, KB=K.TAIL_ELEMENTS // (bn * PP))
         usage[f"pre_mix_norm/{P}"] = compile_for_h200(
-            K.pre_mix_norm,
+            mhc_entry.pre_mix_norm_kernel,
             types | dict(w_ptr=xt, rms_eps=floats),
             entry,
             {"num_warps": int(mhc_configs.CONFIG["pre_mix_norm"]["num_warps"])},
@@ -129,28 +130,28 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         if P > S:  # coeff_rest as the engine launches it at batch 256
             const, launch = split(mhc_entry._rest_launch(256))
             rest = dict(S=S, SP=SP, P=P) | const
-            usage[f"coeff_rest/{P}"] = compile_for_h200(R.coeff_rest, types, rest, launch)
-        const, launch = split(mhc._launch("coeff_bwd", x, S))
+            usage[f"coeff_rest/{P}"] = compile_for_h200(mhc_entry.coeff_rest, types, rest, launch)
+        const, launch = split(mhc_configs.launch("coeff_bwd", x, S))
         usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
-        const, launch = split(mhc._launch("grad_x", x, S))
+        const, launch = split(mhc_configs.launch("grad_x", x, S))
         terms = dict(phi_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
             usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
                 G.grad_x, types | terms,
                 const | dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0,
-                             EMU=False, PHI=mhc.phi_in_grad_x(const, x, PP)), launch,
+                             EMU=False, PHI=G.phi_in_grad_x(const, x, PP)), launch,
             )  # fmt: skip
-        const, launch = split(mhc._launch("grad_phi", x, S))
+        const, launch = split(mhc_configs.launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
         usage[f"grad_phi/{P}"] = compile_for_h200(G.grad_phi, types, split_bf16, launch)
         for terms in (1, 3):
             usage[f"phi_pad_t/{P}/{terms}"] = compile_for_h200(
-                K.phi_pad_t,
+                mhc_phi.phi_pad_t,
                 types | dict(P="i32", out_ptr="*bf16" if terms == 3 else f32),
                 dict(PP=PP, BC=64, TERMS=terms),
                 {},
             )
-    const, launch = split(mhc_mix._mix_grid(1, S, 768)[1])
+    const, launch = split(M._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
         usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
     for write in (True, False):
@@ -159,8 +160,9 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     for N in (1, 256):  # the exit's tile at batch 1 and at batch 256 (more tokens a program)
         const, launch = split(mhc_entry._exit_launch(N, 768))
         for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
-            consts = dict(S=S, PP=mhc._pads(S, P)[1]) | const
-            usage[f"mix_out_proj/{N}/{P}"] = compile_for_h200(M.mix_out_proj, types, consts, launch)
+            consts = dict(S=S, PP=mhc_configs.pads(S, P)[1]) | const
+            kernel = mhc_entry.mix_out_proj_kernel
+            usage[f"mix_out_proj/{N}/{P}"] = compile_for_h200(kernel, types, consts, launch)
     return usage
 
 
@@ -170,23 +172,25 @@ def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
     assert not spilled, f"(registers, spill bytes) per kernel: {spilled}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("S", "dtype"), [(4, "bf16"), (4, "fp32"), (8, "bf16")])
 def test_kernels_compile_for_sm90_without_spills(S: int, dtype: str) -> None:
     assert_no_spills(kernel_usage(S, dtype))
 
 
+@pytest.mark.slow
 def test_kernels_compile_with_float_arguments_as_inductor_passes_them() -> None:
     # torch.compile launches the triton_ops' kernels from inductor's code, with fp64 floats
     assert_no_spills(kernel_usage(4, "bf16", floats="fp64"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(__import__("birkhoff.kernels.mhc_configs",
+@pytest.mark.parametrize("variant", sorted(__import__("birkhoff.kernels.mhc.configs",
                          fromlist=["SWEEP"]).SWEEP))  # fmt: skip
 def test_sweep_variants_compile_for_sm90_without_spills(
     variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birkhoff.kernels import mhc_configs
+    from birkhoff.kernels.mhc import configs as mhc_configs
 
     for key, entry in mhc_configs.SWEEP[variant].items():
         monkeypatch.setitem(mhc_configs.CONFIG, key, entry)
@@ -222,15 +226,15 @@ def test_sinkhorn_sums_stay_inside_a_warp() -> None:
     # device's 3.6 (`pip install --target DIR triton==3.6.0`, PYTHONPATH=DIR) it fails this test.
     import torch
 
-    from birkhoff.kernels import mhc
-    from birkhoff.kernels import mhc_triton as K
+    from birkhoff.kernels.mhc import coefficients as K
+    from birkhoff.kernels.mhc import configs as mhc_configs
 
     x, P = torch.empty(0, dtype=torch.bfloat16), 24
-    SP, PP = mhc._pads(4, P)
+    SP, PP = mhc_configs.pads(4, P)
     types = kernel_types("bf16")
     consts = dict(S=4, SP=SP, P=P, WITH_RES=True)
-    tail, tail_launch = split(mhc._launch("coeff_tail", x, 4))
-    bwd, bwd_launch = split(mhc._launch("coeff_bwd", x, 4))
+    tail, tail_launch = split(mhc_configs.launch("coeff_tail", x, 4))
+    bwd, bwd_launch = split(mhc_configs.launch("coeff_bwd", x, 4))
     kernels = {
         "coeff_tail": (K.coeff_tail, consts | tail | dict(PP=PP, KB=4), tail_launch),
         "coeff_bwd": (K.coeff_bwd, consts | bwd, bwd_launch),

@@ -93,6 +93,23 @@ def test_bf16_autocast_matches_the_unchunked_path_and_keeps_fp32_grads() -> None
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_autocast_on_cuda_matches_the_unchunked_path() -> None:
+    g = torch.Generator().manual_seed(0)
+    h = (0.3 * torch.randn(4, 300, 64, generator=g)).cuda().requires_grad_()
+    w = (0.3 * torch.randn(1000, 64, generator=g)).cuda().requires_grad_()
+    targets = torch.randint(0, 1000, (4, 300), generator=g).cuda()
+    results = []
+    for unchunked in (True, False):
+        with logprob_path(chunk_tokens=128, unchunked=unchunked), torch.autocast("cuda"):
+            logp = token_logprobs(h, w, targets, temperature=0.8).logp
+        results.append((logp, *torch.autograd.grad(logp.sum(), (h, w))))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def tiny_model(*, tied: bool, vocab: int = 37, mtp: int = 2, streams: int = 2) -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(

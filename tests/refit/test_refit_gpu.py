@@ -6,9 +6,10 @@ import pytest
 import torch
 from refit_helpers import make_model, tiny_config
 
-from birkhoff.engine import Engine, fp8_kernel
+from birkhoff.engine import Engine
 from birkhoff.engine.fp8 import quantize_fp8_blockwise, quantize_fp8_blockwise_eager
 from birkhoff.engine.sampling import SamplingParams
+from birkhoff.kernels import fp8_quantize
 from birkhoff.refit import refit
 
 pytestmark = [
@@ -50,7 +51,7 @@ def test_gpu_quantize_matches_cpu_bits(
 def test_fused_kernel_is_used_and_handles_non_finite_blocks() -> None:
     pytest.importorskip("triton")
     w = special_weight(256, 384, torch.float32).cuda()
-    assert fp8_kernel.supported(w, 128)
+    assert fp8_quantize.supported(w, 128)
     w[0, 200] = float("nan")  # block (0, 1)
     w[200, 300] = float("inf")  # block (1, 2)
     q, s = quantize_fp8_blockwise(w)

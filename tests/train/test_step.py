@@ -11,7 +11,7 @@ from birkhoff.tasks.problems import AdditionTask, sample_problems, step_rng
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train import TrainConfig, build_optimizer, forward_context, lr_at, train_step
 from birkhoff.train.recompute import apply_recompute
-from birkhoff.train.step import answer_accuracy
+from birkhoff.train.step import NonFiniteError, SkipCounter, answer_accuracy
 
 
 def tiny_model(**kw) -> Transformer:
@@ -95,6 +95,37 @@ def test_non_finite_gradient_skips_the_step():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert not opt.state  # AdamW moments untouched
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_finite_loss_with_finite_gradients_skips_the_step():
+    model, batch = tiny_model(), addition_batch()
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0)
+    opt = build_optimizer(model, cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def inf_loss(m, b):  # a constant term: the gradients stay finite
+        return m(b.input_ids).logits.mean() + torch.tensor(float("inf")), {}
+
+    out = train_step(model, opt, batch, cfg, step=0, loss_fn=inf_loss)
+    assert math.isfinite(out["grad_norm"]) and out["skipped"] == 1.0
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def test_skip_counter_counts_and_stops_after_max_in_row(tmp_path):
+    counter = SkipCounter(3)
+    rows = [{"step": s, "skipped": float(s in (1, 3, 4, 5))} for s in range(6)]
+    for row in rows[:5]:
+        counter.count(row)
+        counter.check(row["step"], checkpoint=tmp_path, checkpoint_step=2)
+    assert [r["skipped_total"] for r in rows[:5]] == [0, 1, 1, 2, 3]
+    counter.count(rows[5])
+    with pytest.raises(NonFiniteError, match=r"steps 3-5: 3 steps in a row .* weights are those "
+                       r"of step 3\); last good checkpoint: .* \(step 2;"):  # fmt: skip
+        counter.check(5, checkpoint=tmp_path, checkpoint_step=2)
+    again = SkipCounter(3)
+    again.restore(counter.state())
+    assert (again.total, again.in_row) == (4, 3)
 
 
 def test_grad_clip_reports_norm_before_clipping_and_bounds_it():

@@ -1,10 +1,11 @@
 """The `birkhoff` command line: argument parsing only, one module per command family.
 
-Subcommands: `run`, `train`, `generate`, `presets`, `consolidate`, `import-hf`, `export-hf`.
+Subcommands: `run`, `train`, `generate`, `eval`, `presets`, `consolidate`, `import-hf`, `export-hf`.
 - `run` (run.py): the main job, a supervised warm-up then GRPO with the engine in the loop (a
   preset's task or a JSONL file, from a fresh model or a checkpoint: birkhoff.rl.inputs);
 - `train` (train.py): supervised training only;
 - `generate` (generate.py): complete prompts with a checkpoint;
+- `eval` (evaluate.py): a checkpoint's pass@1 / pass@k / reward on a task or a JSONL file;
 - `presets` (presets.py): the presets, one line each, or one's settings as TOML;
 - `consolidate` (consolidate.py): a sharded (torchrun) checkpoint as one directory;
 - `import-hf` / `export-hf` (hf.py): HuggingFace Llama-family checkpoints in and out.

@@ -11,8 +11,15 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from birkhoff.cli import consolidate, generate, hf, presets, run, train
-from birkhoff.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, HelpFormatter, UsageError
+from birkhoff.cli import consolidate, evaluate, generate, hf, presets, run, train
+from birkhoff.cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    HelpFormatter,
+    RunFailed,
+    UsageError,
+)
 from birkhoff.cli.config import dotted_overrides
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -24,6 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, AddArguments, Callable[..., int]]] = {
         "supervised warm-up, then GRPO with the engine in the loop",
         run.add_arguments,
         run.run,
+    ),
+    "eval": (
+        "a checkpoint on a task or a JSONL file: pass@1, pass@k, reward, tokens/s",
+        evaluate.add_arguments,
+        evaluate.run,
     ),
     "presets": (
         "list the presets, or print one's settings as TOML",
@@ -81,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"birkhoff {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as err:
+        print(f"birkhoff {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:  # outside a run's steps (those stop at a step boundary)
         print(f"\nbirkhoff {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -64,10 +64,19 @@ def dotted_overrides(extra: list[str]) -> list[Override]:
 def preset_from_args(
     args: argparse.Namespace, name: str, flags: dict[str, str] | None = None
 ) -> Preset:
-    """Preset `name` with the file's, `--set`/`--PATH` and dedicated `flags` (dest -> path)
-    settings; ValueError in the user's words."""
-    from birkhoff.overrides import Override, apply, text_override, toml_overrides
+    """Preset `name` with the command line's settings (`settings_overrides`); ValueError in the
+    user's words."""
+    from birkhoff.overrides import apply
     from birkhoff.presets import get_preset
+
+    return apply(get_preset(name), settings_overrides(args, flags))
+
+
+def settings_overrides(
+    args: argparse.Namespace, flags: dict[str, str] | None = None
+) -> list[Override]:
+    """The file's, the `--set` / `--PATH` and the dedicated `flags` (dest -> path) settings."""
+    from birkhoff.overrides import Override, text_override, toml_overrides
 
     overrides = toml_overrides(args.config) if args.config is not None else []
     overrides += [text_override(text, f"--set {text}") for text in args.overrides]
@@ -76,4 +85,4 @@ def preset_from_args(
         value = getattr(args, dest)
         if value is not None:
             overrides.append(Override(path, value, f"--{dest.replace('_', '-')} {value}"))
-    return apply(get_preset(name), overrides)
+    return overrides

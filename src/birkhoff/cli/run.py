@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
     OVERWRITE_HINT,
+    RunFailed,
     UsageError,
     add_job_arguments,
+    check_trackers,
     is_main,
+    open_trackers,
     prepare_on_main,
     set_threads,
     start_job,
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
     assert preset.rl is not None
+    check_trackers(args)
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
     if args.resume:
         if not (out / "checkpoint").is_dir():
@@ -133,9 +137,10 @@ def run_grpo(
     """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.checkpoint import CheckpointError
-    from birkhoff.runtime.metrics import plot_run
+    from birkhoff.runtime.plots import plot_run
     from birkhoff.runtime.stop import exit_code, resume_command
     from birkhoff.tasks.guard import VerifierFailureError
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     grpo = GRPORun(preset, out, device=device, **inputs)
@@ -151,10 +156,16 @@ def run_grpo(
             print(resume_line(grpo, out))
         if grpo.step == grpo.total_steps:
             return 0
+    grpo.log.trackers = open_trackers(args, out, preset,
+                                      resume_step=grpo.step if args.resume else None)  # fmt: skip
     try:
         grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
+    except NonFiniteError as err:
+        raise RunFailed(f"run stopped: {err}") from err
+    finally:
+        grpo.log.close()
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:
@@ -225,8 +236,9 @@ def resume_notes(path: Path, preset: Preset) -> list[str]:
         return []
     before = flatten(recorded)
     now = flatten(json.loads(json.dumps(as_settings(preset))))
-    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
-    lines = [f"  {k}: {json.dumps(before.get(k))} -> {json.dumps(now.get(k))}" for k in changed]
+    # settings on one side only are fields added or removed since: not the run's to compare
+    changed = [k for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    lines = [f"  {k}: {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in changed]
     fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
     if fixed:
         more = len(fixed) - MAX_DIFF_LINES

@@ -6,9 +6,12 @@ import argparse
 from pathlib import Path
 
 from birkhoff.cli.common import (
+    RunFailed,
     UsageError,
     add_job_arguments,
+    check_trackers,
     is_main,
+    open_trackers,
     prepare_on_main,
     resolve_device,
     set_threads,
@@ -42,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
             f"preset {preset.name!r} trains with bf16 autocast, which needs CUDA; "
             f"--device is {resolve_device(args.device)}"
         )
+    check_trackers(args)
     device = start_job(args, preset, num_items=train.batch_size, what="batch_size")
     prepare_on_main(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
 
@@ -50,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from birkhoff.overrides import as_settings
     from birkhoff.tasks.problems import get_task
     from birkhoff.train.loop import run_training, summary_lines
+    from birkhoff.train.step import NonFiniteError
 
     set_threads(device, args.threads or preset.num_threads)
     task = get_task(preset.task, **preset.task_options)
@@ -59,16 +64,13 @@ def run(args: argparse.Namespace) -> int:
         "task_options": preset.task_options,
         "config": as_settings(preset),
     }
-    summary = run_training(
-        preset.model,
-        train,
-        task,
-        args.out,
-        device=torch.device(device),
-        progress=not args.no_progress,
-        name=preset.name,
-        extra=extra,
-    )
+    try:
+        summary = run_training(preset.model, train, task, args.out, device=torch.device(device),
+                               progress=not args.no_progress, name=preset.name, extra=extra,
+                               trackers=open_trackers(args, args.out, preset,
+                                                      resume_step=None))  # fmt: skip
+    except NonFiniteError as err:
+        raise RunFailed(f"training stopped: {err}") from err
     if is_main():
         for line in summary_lines(summary):
             print(line)

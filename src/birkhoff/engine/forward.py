@@ -224,7 +224,8 @@ def hyper(
             kernels="eager",
         )
         return y_ATSD, None
-    from birkhoff.kernels import mhc, mhc_entry
+    from birkhoff.kernels import mhc
+    from birkhoff.kernels.mhc import entry as mhc_entry
 
     side = side_stream(x_ATSD.device)
     x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
@@ -295,7 +296,7 @@ def contract_norm(
     if c is None:
         return rms_norm(single_stream(x_ATSD), head.norm, cfg.norm_eps, kernels=kernels)
     if use_fused(x_ATSD, kernels):
-        from birkhoff.kernels import mhc_entry
+        from birkhoff.kernels.mhc import entry as mhc_entry
 
         return mhc_entry.contract_norm(
             x_ATSD,

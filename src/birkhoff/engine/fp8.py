@@ -19,7 +19,7 @@ with its own blocks: `scale_inv` is [E, ceil(r/block), ceil(c/block)] and no blo
 experts. When r is a multiple of the block the stack is quantized as its [E*r, c] view (the same
 blocks, one kernel launch); otherwise matrix by matrix.
 
-Design choices: on CUDA with Triton, one fused kernel (`fp8_kernel.py`: one read of the weight,
+Design choices: on CUDA with Triton, one fused kernel (`fp8_quantize.py`: one read of the weight,
 one write of the codes) that reproduces the eager reference bit for bit; elsewhere the eager
 reference, vectorised over blocks (pad to a multiple of the block, view as [R, block, C, block],
 reduce): a handful of kernels with no host sync. Partial edge blocks are zero-padded, which
@@ -34,14 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.engine import fp8_kernel
+from birkhoff.kernels import fp8_quantize
+from birkhoff.kernels.fp8_quantize import AMAX_FLOOR as _AMAX_FLOOR
+from birkhoff.kernels.fp8_quantize import FP8_BLOCK as FP8_BLOCK
+from birkhoff.kernels.fp8_quantize import FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_BLOCK = 128  # one fp32 scale per FP8_BLOCK x FP8_BLOCK block of a weight
 SCALE_SUFFIX = "_scale_inv"  # a quantized weight `name` travels with `name + SCALE_SUFFIX`
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# smallest amax treated as non-zero: keeps amax / 448 a normal fp32 number
-_AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
 
 
 def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = 128) -> tuple[int, ...]:
@@ -81,8 +79,8 @@ def quantize_fp8_blockwise(
         _check_out(w, block, out)
     if w.dim() == 3:
         return _quantize_stack(w, block, out)
-    if fp8_kernel.supported(w, block):
-        return fp8_kernel.quantize_fp8_blockwise_triton(
+    if fp8_quantize.supported(w, block):
+        return fp8_quantize.quantize_fp8_blockwise_triton(
             w, block, amax_floor=_AMAX_FLOOR, inv_max=1.0 / FP8_MAX, out=out
         )
     q, scale_inv = quantize_fp8_blockwise_eager(w, block)

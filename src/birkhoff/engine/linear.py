@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.engine import fp8_matmul
 from birkhoff.engine.fp8 import FP8_BLOCK, dequantize_fp8_blockwise
 from birkhoff.engine.layout import Linear
-from birkhoff.kernels import use_fused
+from birkhoff.kernels import fp8_matmul, use_fused
 
 
 def weight(lin: Linear[Tensor], dtype: torch.dtype) -> Tensor:

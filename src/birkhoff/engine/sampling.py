@@ -11,7 +11,9 @@ The distribution a token is sampled from (`target_logprobs`):
   untempered, unfiltered softmax of the logits (what a trainer computes for the same token).
   For sampling, greedy rows use the one-hot distribution at the argmax, which makes exact
   rejection sampling reduce to argmax agreement with no special case.
-Everything runs in >= fp32. Left out: repetition/presence penalties, min-p, beam search.
+Everything runs in >= fp32; bf16 logits are widened element by element inside the division by
+the temperature (no fp32 copy of the logits first), and greedy rows' one-hot is written into
+the probs in place. Left out: repetition/presence penalties, min-p, beam search.
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ def filter_top_k_top_p(z_AV: Tensor, top_k_A: Tensor, top_p_A: Tensor) -> Tensor
 
 def target_logprobs(logits_AV: Tensor, rs: RowSampling) -> Tensor:
     """Log-probabilities of the distribution each row samples from (see the module docstring)."""
-    z_AV = logits_AV.to(torch.promote_types(logits_AV.dtype, torch.float32))
-    z_AV = z_AV / rs.temperature_A.to(z_AV.dtype)[:, None]
+    dtype = torch.promote_types(logits_AV.dtype, torch.float32)
+    z_AV = logits_AV / rs.temperature_A.to(dtype)[:, None]  # [A,V] in `dtype`, read from logits
     if rs.filtered:
         z_AV = filter_top_k_top_p(z_AV, rs.top_k_A, rs.top_p_A)
     return F.log_softmax(z_AV, dim=-1)
@@ -152,8 +154,11 @@ def target_logprobs(logits_AV: Tensor, rs: RowSampling) -> Tensor:
 
 def sampling_probs(logp_AV: Tensor, greedy_A: Tensor) -> Tensor:
     """exp(logp), with greedy rows replaced by the one-hot distribution at their argmax."""
-    one_hot_AV = F.one_hot(logp_AV.argmax(dim=-1), logp_AV.shape[-1]).to(logp_AV.dtype)
-    return torch.where(greedy_A[:, None], one_hot_AV, logp_AV.exp())
+    greedy_A1 = greedy_A[:, None]
+    top_A1 = logp_AV.argmax(dim=-1, keepdim=True)
+    probs_AV = logp_AV.exp().masked_fill_(greedy_A1, 0.0)
+    at_top_A1 = torch.where(greedy_A1, 1.0, probs_AV.gather(-1, top_A1))
+    return probs_AV.scatter_(-1, top_A1, at_top_A1)
 
 
 def sample_logits(logits_AV: Tensor, rs: RowSampling) -> tuple[Tensor, Tensor]:

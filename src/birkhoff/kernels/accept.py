@@ -1,18 +1,13 @@
-"""A speculative step's verify tail as one fused forward-only custom op
-(`birkhoff::verify_accept`).
+"""A speculative step's verify tail as one fused forward-only custom op (`birkhoff::verify_accept`).
 
 Legend: A rows of the step, J drafts a row, T = J + 1 verified positions, V vocab; R rows of the
 engine's tables, B cache rows.
 
-After the verify pass, `engine.step.verify` eagerly runs ~55 small launches: the rows'
-sampling parameters gathered and repeated, the main model's distributions
-(`sampling.sample_tokens`), the J + 1 uniforms, `speculative.accept_drafts` (gathers, a
-cumulative product, the residual and its inverse-CDF draw), the next token's write, the
-result's gathers and casts, and the next step's n and draft starts. At decode sizes each costs
-its launch, not its bytes. `verify_accept` computes the same in one launch
-(kernels/accept_triton.py): the distributions of `sample.sample_rows`' row arithmetic and the
-acceptance decisions bit for bit, the residual's draw to the rounding of its fp64 scan. Where
-some row filters with top-k / top-p the eager path runs.
+After the verify pass, `engine.step.verify` eagerly runs ~55 small launches: the main model's
+distributions, the uniforms, `speculative.accept_drafts`' rejection sampling, the next token's
+write and the next step's inputs. `verify_accept` computes the same in one launch: the
+distributions of `sample.sample_row` and the acceptance decisions bit for bit, the residual's
+draw to the rounding of its fp64 scan. Left out: top-k / top-p rows (the eager path runs).
 """
 
 from __future__ import annotations
@@ -20,23 +15,141 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import accept_triton as K
-from birkhoff.kernels.mhc_mix import check_inputs, pow2
-from birkhoff.kernels.sample import BV, check_step_rows, check_tokens, check_vector
+from birkhoff.kernels.common import check_inputs, pow2, tl, triton
+from birkhoff.kernels.rng import uniform_bits
+from birkhoff.kernels.sample import BV, check_step_rows, check_tokens, check_vector, sample_row
+
+
+@triton.jit
+def _residual(p_row, q_row, v, V, has_q, use_p):
+    """A block of the residual max(0, p - q) as fp32 (p itself where `use_p`)."""
+    p = tl.load(p_row + v, mask=v < V, other=0.0)
+    q = tl.load(q_row + v, mask=(v < V) & has_q, other=0.0)
+    return tl.where(use_p, p, tl.maximum(p - q, 0.0))
+
+
+@triton.jit
+def verify_accept_kernel(
+    logits_ptr,
+    q_ptr,
+    drafts_ptr,
+    rows_ptr,
+    n_ptr,
+    live_ptr,
+    temp_ptr,
+    greedy_ptr,
+    key_ptr,
+    tokens_ptr,
+    n_rows_ptr,
+    starts_ptr,
+    logp_ptr,
+    probs_ptr,
+    out_ptr,
+    num_ptr,
+    V,
+    J,
+    stride_tokens,
+    stride_starts,
+    trash,
+    TAGS: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    ACCEPT: tl.constexpr,
+    BV: tl.constexpr,
+):
+    a = tl.program_id(0).to(tl.int64)
+    T = J + 1
+    row = tl.load(rows_ptr + a)
+    n = tl.load(n_ptr + a).to(tl.int64)
+    live = tl.load(live_ptr + a) != 0
+    t = tl.load(temp_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
+    key = tl.load(key_ptr + row)
+    for i in range(T):
+        r = a * T + i
+        sample_row(
+            logits_ptr + r * V, logp_ptr + r * V, probs_ptr + r * V, t, greedy, 0.0, V, False, BV
+        )
+    tl.debug_barrier()
+    one = tl.arange(0, 1)
+    num = tl.zeros([1], dtype=tl.int64)
+    going = tl.full([1], 1, tl.int1)
+    for j in range(J):
+        d = tl.load(drafts_ptr + a * J + j + one)
+        p_d = tl.load(probs_ptr + (a * T + j) * V + d).to(tl.float64)
+        q_d = tl.load(q_ptr + (a * J + j) * V + d).to(tl.float64)
+        u_j = uniform_bits(key, n * TAGS + ACCEPT + j + 1)
+        going = going & (u_j * q_d < p_d)
+        num += going.to(tl.int64)
+    p_row = probs_ptr + (a * T + num) * V
+    q_row = q_ptr + (a * J + num) * V
+    has_q = num < J
+    largest = tl.zeros([1], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        largest = tl.maximum(largest, tl.max(_residual(p_row, q_row, v, V, has_q, False), 0))
+    use_p = largest <= 0  # rounding emptied the residual where p ~ q
+    total = tl.zeros([1], dtype=tl.float64)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        r = _residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64)
+        total += tl.max(tl.cumsum(r, axis=0), axis=0)
+    target = uniform_bits(key, n * TAGS + SAMPLE) * total
+    below = tl.zeros([1], dtype=tl.int64)
+    short = tl.zeros([1], dtype=tl.int64)
+    run = tl.zeros([1], dtype=tl.float64)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        cs = tl.cumsum(_residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64), axis=0)
+        c = run + cs
+        below += tl.sum(((c <= target) & (v < V)).to(tl.int64), axis=0)
+        short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
+        run += tl.max(cs, axis=0)
+    token = tl.minimum(below, short)
+    slot = tl.where(live, n + 1 + num, trash)
+    tl.store(tokens_ptr + row * stride_tokens + slot, token)
+    live_1 = tl.where(live, one == 0, False)  # a [1] mask (the interpreter's scalar & is an int)
+    tl.store(n_rows_ptr + row + one, n + 1 + num, mask=live_1)
+    for k in range(1, J + 1):
+        start = tl.maximum(n - k + 1, 0)
+        tl.store(starts_ptr + (k - 1) * stride_starts + row + one, start, mask=live_1)
+    tl.store(num_ptr + a + one, num)
+    res = out_ptr + a * (1 + 2 * T)
+    tl.store(res + one, num.to(tl.float64))
+    for i in range(T):
+        draft = tl.load(drafts_ptr + a * J + tl.minimum(i, J - 1) + one)  # (i = J: unread)
+        e = tl.where((i == num) | (i == J), token, draft)
+        tl.store(res + 1 + i + one, e.to(tl.float64))
+        lp = tl.load(logp_ptr + (a * T + i) * V + e)
+        tl.store(res + 1 + T + i + one, lp.to(tl.float64))
 
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
-        raise ValueError(f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
-                         f"{shape}, got {t.dtype}{tuple(t.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
+            f"{shape}, got {t.dtype}{tuple(t.shape)}"
+        )
 
 
 @torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN", "n_B", "starts_JB"))
 def verify_accept(
-    logits_ATV: Tensor, q_AJV: Tensor, drafts_AJ: Tensor, rows_A: Tensor, n_A: Tensor,
-    live_A: Tensor, temperature_R: Tensor, greedy_R: Tensor, key_R: Tensor, tokens_BN: Tensor,
-    n_B: Tensor, starts_JB: Tensor, trash: int, tags: int, sample_tag: int, accept_tag: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    logits_ATV: Tensor,
+    q_AJV: Tensor,
+    drafts_AJ: Tensor,
+    rows_A: Tensor,
+    n_A: Tensor,
+    live_A: Tensor,
+    temperature_R: Tensor,
+    greedy_R: Tensor,
+    key_R: Tensor,
+    tokens_BN: Tensor,
+    n_B: Tensor,
+    starts_JB: Tensor,
+    trash: int,
+    tags: int,
+    sample_tag: int,
+    accept_tag: int,
+) -> tuple[Tensor, Tensor]:
     """(accepted drafts a [A] int64, [A, 1 + 2T] fp64: a, the T emitted tokens, their logprobs)
     for the main model's logits [A, T, V] at positions n..n+J of cache rows `rows_A`, the J
     drafts [A, J] (int64) and the distributions q [A, J, V] (fp32) they were drawn from: exact
@@ -48,8 +161,10 @@ def verify_accept(
     k = 1..J (int64; the first position draft depth k recomputes)."""
     check_inputs(logits_ATV)
     if logits_ATV.dim() != 3 or drafts_AJ.dim() != 2:
-        raise ValueError(f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
-                         f"{tuple(logits_ATV.shape)} / {tuple(drafts_AJ.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: logits must be [A, T, V] and drafts [A, J], got "
+            f"{tuple(logits_ATV.shape)} / {tuple(drafts_AJ.shape)}"
+        )
     (A, T, V), J = logits_ATV.shape, drafts_AJ.shape[1]
     if T != J + 1 or J < 1:
         raise ValueError(f"verify_accept: {T} verified positions for {J} drafts (need J + 1)")
@@ -59,21 +174,45 @@ def verify_accept(
     check_tokens("verify_accept", tokens_BN, trash)
     check_vector("verify_accept", "n_B", n_B, torch.long, None)
     if starts_JB.dtype != torch.long or starts_JB.dim() != 2 or starts_JB.stride(1) != 1:
-        raise ValueError(f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
-                         f"{starts_JB.dtype}{tuple(starts_JB.shape)}")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
+            f"{starts_JB.dtype}{tuple(starts_JB.shape)}"
+        )
     if starts_JB.shape[0] < J or starts_JB.shape[1] != n_B.shape[0]:
-        raise ValueError(f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and "
-                         f"{n_B.shape[0]} rows")  # fmt: skip
+        raise ValueError(
+            f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and {n_B.shape[0]} rows"
+        )
     num, out = _fake(logits_ATV, drafts_AJ)
     if A and V:
         scratch = logits_ATV.new_empty((2, A, T, V), dtype=torch.float32)  # logp, p
-        K.verify_accept[(A,)](
-            logits_ATV.contiguous(), q_AJV, drafts_AJ, rows_A, n_A, live_A.contiguous(),
-            temperature_R, greedy_R, key_R, tokens_BN, n_B, starts_JB, scratch[0], scratch[1],
-            out, num, V, J, tokens_BN.stride(0), starts_JB.stride(0), trash, TAGS=tags,
-            SAMPLE=sample_tag, ACCEPT=accept_tag,
-            BV=min(BV, max(16, pow2(V))), num_warps=4,
-        )  # fmt: skip
+        verify_accept_kernel[(A,)](
+            logits_ATV.contiguous(),
+            q_AJV,
+            drafts_AJ,
+            rows_A,
+            n_A,
+            live_A.contiguous(),
+            temperature_R,
+            greedy_R,
+            key_R,
+            tokens_BN,
+            n_B,
+            starts_JB,
+            scratch[0],
+            scratch[1],
+            out,
+            num,
+            V,
+            J,
+            tokens_BN.stride(0),
+            starts_JB.stride(0),
+            trash,
+            TAGS=tags,
+            SAMPLE=sample_tag,
+            ACCEPT=accept_tag,
+            BV=min(BV, max(16, pow2(V))),
+            num_warps=4,
+        )
     return num, out
 
 

@@ -1,19 +1,14 @@
-"""Decode attention as a fused forward-only custom op (`birkhoff::decode_attention`), for the
-engine's decode, verify and draft steps: a few query tokens per row attend over that row's
-cache slots, reading only its live prefix.
+"""Decode attention as fused forward-only custom ops (`birkhoff::decode_attention`,
+`birkhoff::decode_attention_rope`): a few query tokens per row attend over that row's cache.
 
-Legend: A active rows, T query tokens per row, H query heads, G kv heads, R = H / G, B cache
-rows, N cache positions, K head dim.
+Legend: A active rows, T query tokens per row, H query heads, G kv heads, R = H / G query heads
+per kv head, M = T * R query vectors of one (row, kv head), B cache rows, N cache positions,
+K head dim, P splits of the key range.
 
-The eager reference is `F.scaled_dot_product_attention` with the explicit mask `key position
-<= query position` over slots 0..limit-1 (engine/forward.py). At decode sizes that call costs
-what its key bucket costs: the mask's whole [A, 1, T, limit] and every row's keys up to the
-bucket, live or not (at batch 256 it was a third of a step). This op instead stops each row at
-its own last real position, splits long key ranges over programs (flash-decoding), and reads
-the cache rows in place (no gather of `rows_A`). `birkhoff::decode_attention_rope` is the same
-op with the layer's prologue folded in (rope of q and k, k and v into the cache:
-`norm_rope.rope_cache`'s work, in the same arithmetic), one launch a layer where a decode,
-draft or verify step had two.
+The eager reference is `F.scaled_dot_product_attention` with the mask `key position <= query
+position` (engine/forward.py). Each row stops at its own last real position, long key ranges
+split over programs (flash-decoding) at fixed key positions, so the result does not depend on
+the key bucket; the rope variant folds the layer's prologue (rope, k and v into the cache) in.
 """
 
 from __future__ import annotations
@@ -21,32 +16,353 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import attention_triton as AT
-from birkhoff.kernels.mhc_mix import check_inputs, pow2
-from birkhoff.kernels.ops import INTERPRET
+from birkhoff.kernels.common import INTERPRET, check_inputs, pow2, tl, triton
+from birkhoff.kernels.norm_rope import rotate_pair
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, token, d, K2):
+    """cos and sin [BK] of one token's angles ([tokens, K2] tables) for head-dim columns d (the
+    'half' layout: columns d and d + K2 share angle d), in fp32."""
+    j = tl.where(d < K2, d, d - K2)
+    ok = j < K2
+    cos = tl.load(cos_ptr + token * K2 + j, mask=ok, other=0.0).to(tl.float32)
+    return cos, tl.load(sin_ptr + token * K2 + j, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotated(x_ptr, head, d, ok, K2, cos, sin):
+    """Columns d of the heads at x_ptr + head rotated by (cos, sin) in the 'half' layout, in
+    fp32, column by column, with rope_cache's arithmetic (`rotate_pair`)."""
+    first = d < K2
+    x = tl.load(x_ptr + head + d, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + head + tl.where(first, d + K2, d - K2), mask=ok, other=0.0)
+    xp = xp.to(tl.float32)
+    return rotate_pair(x, xp, cos, sin, first)
+
+
+@triton.jit
+def _accumulate(scores, v_ptrs, v_mask, acc, m_i, l_i, PRECISION, DOT_FP32):
+    """One key block: the online softmax of its scores, then acc rescaled plus p v (the block's
+    values [BN, BK] at v_ptrs). Returns (acc, running max, running sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT):
+    """The normalised output (one split) or the split's accumulator, max and sum."""
+    ok = m_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + o_row[:, None] * K + d[None, :], out.to(out_ptr.dtype.element_ty), ok)
+    else:
+        tl.store(part_ptr + (o_row[:, None] * P + s) * K + d[None, :], acc, mask=ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2, m_i, mask=m_ok)
+        tl.store(stat_ptr + (o_row * P + s) * 2 + 1, l_i, mask=m_ok)
+
+
+@triton.jit
+def decode_attention_fwd(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    pos_ptr,
+    valid_ptr,
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    T,
+    R,
+    G,
+    H,
+    K,
+    limit,
+    scale,
+    P,
+    sp_a,
+    sp_t,
+    sr_a,
+    sr_t,
+    sq_a,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_g,
+    sk_n,
+    sv_b,
+    sv_g,
+    sv_n,
+    skn_a,
+    skn_t,
+    skn_g,
+    svn_a,
+    svn_t,
+    svn_g,
+    SPLIT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    a, g = pid // G, pid % G
+    t_all = tl.arange(0, BT)
+    pos_t = tl.load(pos_ptr + a * sp_a + t_all * sp_t, mask=t_all < T, other=0)
+    real_t = tl.load(valid_ptr + a * sr_a + t_all * sr_t, mask=t_all < T, other=0) != 0
+    end = tl.minimum(tl.max(tl.where(real_t, pos_t + 1, 0), axis=0), limit)
+    lo = s * SPLIT
+    hi = tl.minimum(lo + SPLIT, end)
+
+    m = tl.arange(0, BM)
+    t_m, r_m = m // R, m % R
+    m_ok = m < T * R
+    qpos = tl.load(pos_ptr + a * sp_a + t_m * sp_t, mask=m_ok, other=0)
+    d = tl.arange(0, BK)
+    d_ok = d < K
+    q_head = a.to(tl.int64) * sq_a + t_m[:, None] * sq_t + (g * R + r_m)[:, None] * sq_h
+    q_ok = m_ok[:, None] & d_ok[None, :]
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    k_base = k_ptr + row * sk_b + g * sk_g
+    v_base = v_ptr + row * sv_b + g * sv_g
+    if ROPE:  # rope_cache's work first, then the same walk over the cache
+        # every program rotates the chunk's keys (their loads need not wait for the positions);
+        # the program whose split holds a position stores that key and value there (no other
+        # program reads it), and the barrier orders those stores before the walk's loads
+        a64, t_ok = a.to(tl.int64), t_all < T
+        cos, sin = _angles(cos_ptr, sin_ptr, (a64 * T + t_all)[:, None], d[None, :], K // 2)
+        new_ok = t_ok[:, None] & d_ok[None, :]
+        k_new = _rotated(
+            kn_ptr,
+            (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None],
+            d[None, :],
+            new_ok,
+            K // 2,
+            cos,
+            sin,
+        )
+        v_new = tl.load(
+            vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None] + d[None, :],
+            mask=new_ok,
+            other=0.0,
+        )
+        writes = real_t & (pos_t < limit) & (pos_t // SPLIT == s)
+        own = writes[:, None] & d_ok[None, :]
+        slot = pos_t.to(tl.int64)[:, None]
+        tl.store(k_base + slot * sk_n + d[None, :], k_new.to(k_ptr.dtype.element_ty), own)
+        tl.store(v_base + slot * sv_n + d[None, :], v_new, mask=own)
+        cos_m, sin_m = _angles(cos_ptr, sin_ptr, (a64 * T + t_m)[:, None], d[None, :], K // 2)
+        q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos_m, sin_m)
+        q = q.to(q_ptr.dtype.element_ty)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + q_head + d[None, :], mask=q_ok, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    for start in range(lo, hi, BN):
+        n = start + tl.arange(0, BN)
+        n_ok = n < hi
+        kt = tl.load(
+            k_base + n[None, :].to(tl.int64) * sk_n + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
+        scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
+        v_ptrs = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
+
+    # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
+    o_row = (a.to(tl.int64) * T + t_m) * H + g * R + r_m
+    _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)
+
+
+@triton.jit
+def decode_attention_heads(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    pos_ptr,
+    valid_ptr,
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    G,
+    K,
+    limit,
+    scale,
+    P,
+    sp_a,
+    sr_a,
+    sq_a,
+    sq_h,
+    sk_b,
+    sk_g,
+    sk_n,
+    sv_b,
+    sv_g,
+    sv_n,
+    skn_a,
+    skn_g,
+    svn_a,
+    svn_g,
+    SPLIT: tl.constexpr,
+    HB: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    blocks = tl.cdiv(G, HB)
+    a, g0 = pid // blocks, (pid % blocks) * HB
+    a64 = a.to(tl.int64)
+    qpos = tl.load(pos_ptr + a * sp_a)
+    real = tl.load(valid_ptr + a * sr_a) != 0
+    lo = s * SPLIT
+    hi = tl.minimum(tl.minimum(lo + SPLIT, tl.where(real, qpos + 1, 0)), limit)
+
+    m = tl.arange(0, BM)
+    h_m = g0 + m
+    m_ok = (m < HB) & (h_m < G)
+    d = tl.arange(0, BK)
+    d_ok = d < K
+    q_ok = m_ok[:, None] & d_ok[None, :]
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    if ROPE:  # the token's own key, rotated here, is the first key of the split holding it
+        cos, sin = _angles(cos_ptr, sin_ptr, a64, d, K // 2)
+        cos, sin = cos[None, :], sin[None, :]
+        q = _rotated(q_ptr, a64 * sq_a + h_m[:, None] * sq_h, d[None, :], q_ok, K // 2, cos, sin)
+        q = q.to(q_ptr.dtype.element_ty)
+        k_new = _rotated(
+            kn_ptr, a64 * skn_a + h_m[:, None] * skn_g, d[None, :], q_ok, K // 2, cos, sin
+        ).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(
+            vn_ptr + a64 * svn_a + h_m[:, None] * svn_g + d[None, :], mask=q_ok, other=0.0
+        ).to(v_ptr.dtype.element_ty)
+        first = real & (qpos < limit) & (qpos // SPLIT == s)
+        writes = tl.where(first, q_ok, False)  # (the interpreter's scalar & gives an int mask)
+        h64, pos64 = h_m[:, None].to(tl.int64), qpos.to(tl.int64)
+        tl.store(k_ptr + row * sk_b + h64 * sk_g + pos64 * sk_n + d[None, :], k_new, writes)
+        tl.store(v_ptr + row * sv_b + h64 * sv_g + pos64 * sv_n + d[None, :], v_new, writes)
+        hi = tl.minimum(hi, qpos)  # the cached keys before it: no load waits for the store
+        own_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
+        m_i = tl.where(first, own_score, m_i)
+        l_i = tl.where(first, 1.0, l_i)
+        acc = tl.where(first, v_new.to(tl.float32), acc)
+    else:
+        q_off = a64 * sq_a + h_m[:, None] * sq_h + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=q_ok, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    c = tl.arange(0, BN)  # key column: head g0 + c // (BN // HB), key c % (BN // HB)
+    h_c = g0 + c // (BN // HB)
+    own = h_m[:, None] == h_c[None, :]
+    k_base = k_ptr + row * sk_b + h_c.to(tl.int64) * sk_g
+    v_base = v_ptr + row * sv_b + h_c.to(tl.int64) * sv_g
+
+    for start in range(lo, hi, BN // HB):
+        n = start + c % (BN // HB)
+        n_ok = (n < hi) & (h_c < G)
+        kt = tl.load(
+            k_base[None, :] + n[None, :].to(tl.int64) * sk_n + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
+        scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
+        v_ptrs = v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :]
+        acc, m_i, l_i = _accumulate(
+            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        )
+
+    o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
+    _write(out_ptr, part_ptr, stat_ptr, o_row, acc, m_i, l_i, m_ok, d, d_ok, s, P, K, DIRECT)
+
+
+@triton.jit
+def decode_attention_combine(part_ptr, stat_ptr, out_ptr, P, K, BP: tl.constexpr, BK: tl.constexpr):
+    o_row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BP)
+    d = tl.arange(0, BK)
+    s_ok = s < P
+    m_s = tl.load(stat_ptr + (o_row * P + s) * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(stat_ptr + (o_row * P + s) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m_s, axis=0)
+    w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
+    acc = tl.load(
+        part_ptr + (o_row * P + s[:, None]) * K + d[None, :],
+        mask=s_ok[:, None] & (d < K)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(acc * w_s[:, None], axis=0)
+    norm = tl.sum(l_s * w_s, axis=0)
+    out = total / tl.where(norm == 0.0, 1.0, norm)
+    tl.store(out_ptr + o_row * K + d, out.to(out_ptr.dtype.element_ty), mask=d < K)
+
 
 SPLIT = 256  # keys per program: fixed, so the result does not depend on `limit`
 MAX_QUERIES = 128  # T * R per (row, kv head): one tile of query vectors in registers
 # BN keys per block inside a program, and the launch; read at every call, so
-# benchmarks/decode_attention.py can sweep it (H200, `decode_attention-cuda.json`: 2 warps beat
-# 4 at every decode shape timed; 32 keys a block beat 64 by 9-12% at 88 positions, 1% at 400,
-# and lose 3% at 2000)
+# benchmarks/decode_attention.py can sweep it (the measurements: docs/log/kernels.md)
 CONFIG = dict(BN=32, num_warps=2, num_stages=3)
 # `decode_attention_heads`' launch, for T = 1 and H = G from PAIRS (row, kv head) pairs a call
-# up: HB kv heads a program, BN key columns a block (BN / HB keys of each head); HB 0: off. With
-# rope, h200-small's 12 heads, graph-timed us a layer (`decode_attention-cuda-rope.json`): 256
-# rows at 88 positions 21.7 against the per-head kernel's 25.9, 400 positions 82.3 / 86.9, 128
-# rows 10.2 / 12.9; below ~100 rows it has too few programs (64 rows: 8.1 / 7.0, 1 row: 7.2 /
-# 4.1). The choice depends on the batch, never on `limit`, so a CUDA graph's key bucket does not
+# up: HB kv heads a program, BN key columns a block (BN / HB keys of each head); HB 0: off. It
+# wins from about a hundred rows; below, it has too few programs (docs/log/kernels.md). The
+# choice depends on the batch, never on `limit`, so a CUDA graph's key bucket does not
 # change a row's bits (its padded batch bucket may, as the GEMMs' tiles do)
 HEADS = dict(HB=2, BN=32, num_warps=1, num_stages=2, PAIRS=1536)
 
 
 @torch.library.custom_op("birkhoff::decode_attention", mutates_args=())
 def decode_attention(
-    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-    valid_AT: Tensor, limit: int,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
+    limit: int,
+) -> Tensor:
     """softmax(q k^T / sqrt(K)) v per row over its cache row `rows_A[a]`: token t of row a sees
     the keys at positions <= positions_AT[a, t] and < limit; a row's padded tokens (valid_AT
     False) are ignored when the row's key range is found (their outputs are unspecified).
@@ -56,10 +372,18 @@ def decode_attention(
 
 @torch.library.custom_op("birkhoff::decode_attention_rope", mutates_args=("k_BGNK", "v_BGNK"))
 def decode_attention_rope(
-    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cos_ATK2: Tensor, sin_ATK2: Tensor,
-    k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor, valid_AT: Tensor,
+    q_ATHK: Tensor,
+    k_ATGK: Tensor,
+    v_ATGK: Tensor,
+    cos_ATK2: Tensor,
+    sin_ATK2: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
     limit: int,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """`norm_rope.rope_cache` then `decode_attention` in one launch, for a chunk of decode size
     (a decode, draft or verify step): q and k are the tokens' raw projections (views of the
     fused qkv projection may be passed), rotated here; k and v are written into the caches at
@@ -68,12 +392,16 @@ def decode_attention_rope(
     A, T, H, K = q_ATHK.shape
     G = k_ATGK.shape[2]
     if K % 2 or k_ATGK.shape != (A, T, G, K) or v_ATGK.shape != (A, T, G, K):
-        raise ValueError(f"decode_attention_rope: the chunk's q, k and v with an even head dim, "
-                         f"got q {tuple(q_ATHK.shape)}, k {tuple(k_ATGK.shape)}, "
-                         f"v {tuple(v_ATGK.shape)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention_rope: the chunk's q, k and v with an even head dim, "
+            f"got q {tuple(q_ATHK.shape)}, k {tuple(k_ATGK.shape)}, "
+            f"v {tuple(v_ATGK.shape)}"
+        )
     if cos_ATK2.shape != (A, T, K // 2) or sin_ATK2.shape != cos_ATK2.shape:
-        raise ValueError(f"decode_attention_rope: angles {tuple(cos_ATK2.shape)} / "
-                         f"{tuple(sin_ATK2.shape)}, expected {(A, T, K // 2)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention_rope: angles {tuple(cos_ATK2.shape)} / "
+            f"{tuple(sin_ATK2.shape)}, expected {(A, T, K // 2)}"
+        )
     check_inputs(k_ATGK, v_ATGK)
     if k_ATGK.stride(-1) != 1 or v_ATGK.stride(-1) != 1:
         raise ValueError("decode_attention_rope: the new k and v need a contiguous head dim")
@@ -87,15 +415,23 @@ def heads_kernel(A: int, T: int, H: int, G: int) -> bool:
 
 
 def _attend(
-    q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-    valid_AT: Tensor, limit: int, rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
+    limit: int,
+    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+) -> Tensor:
     check_inputs(q_ATHK, k_BGNK, v_BGNK)
     A, T, H, K = q_ATHK.shape
     G = k_BGNK.shape[1]
     if H % G or k_BGNK.shape[-1] != K or v_BGNK.shape != k_BGNK.shape:
-        raise ValueError(f"decode_attention: q {tuple(q_ATHK.shape)} vs cache "
-                         f"{tuple(k_BGNK.shape)} / {tuple(v_BGNK.shape)}")  # fmt: skip
+        raise ValueError(
+            f"decode_attention: q {tuple(q_ATHK.shape)} vs cache "
+            f"{tuple(k_BGNK.shape)} / {tuple(v_BGNK.shape)}"
+        )
     if limit > k_BGNK.shape[2]:
         raise ValueError(f"decode_attention: limit {limit} exceeds {k_BGNK.shape[2]} positions")
     if T * (H // G) > MAX_QUERIES:
@@ -117,36 +453,106 @@ def _attend(
         launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
         hb = launch.pop("HB")
         if hb & (hb - 1) or launch["BN"] % hb:
-            raise ValueError(f"decode_attention: HEADS HB {hb} must be a power of two dividing "
-                             f"BN {launch['BN']}")  # fmt: skip
-        AT.decode_attention_heads[(A * -(-G // hb), P)](
-            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
-            k_new, v_new, cos, sin,
-            G, K, limit, K**-0.5, P, positions_AT.stride(0), valid_AT.stride(0),
-            q_ATHK.stride(0), q_ATHK.stride(2),
-            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
-            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
-            SPLIT=SPLIT, HB=hb, BM=max(16, pow2(hb)), BK=BK, DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, ROPE=rope is not None, **launch,
-        )  # fmt: skip
+            raise ValueError(
+                f"decode_attention: HEADS HB {hb} must be a power of two dividing BN {launch['BN']}"
+            )
+        decode_attention_heads[(A * -(-G // hb), P)](
+            q_ATHK,
+            k_BGNK,
+            v_BGNK,
+            rows_A,
+            positions_AT,
+            valid_AT,
+            out,
+            part,
+            stat,
+            k_new,
+            v_new,
+            cos,
+            sin,
+            G,
+            K,
+            limit,
+            K**-0.5,
+            P,
+            positions_AT.stride(0),
+            valid_AT.stride(0),
+            q_ATHK.stride(0),
+            q_ATHK.stride(2),
+            k_BGNK.stride(0),
+            k_BGNK.stride(1),
+            k_BGNK.stride(2),
+            v_BGNK.stride(0),
+            v_BGNK.stride(1),
+            v_BGNK.stride(2),
+            k_new.stride(0),
+            k_new.stride(2),
+            v_new.stride(0),
+            v_new.stride(2),
+            SPLIT=SPLIT,
+            HB=hb,
+            BM=max(16, pow2(hb)),
+            BK=BK,
+            DIRECT=direct,
+            PRECISION=precision,
+            DOT_FP32=INTERPRET,
+            ROPE=rope is not None,
+            **launch,
+        )
     elif A * T:
-        AT.decode_attention_fwd[(A * G, P)](
-            q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT, out, part, stat,
-            k_new, v_new, cos, sin,
-            T, R, G, H, K, limit, K**-0.5, P,
-            positions_AT.stride(0), positions_AT.stride(1), valid_AT.stride(0), valid_AT.stride(1),
-            q_ATHK.stride(0), q_ATHK.stride(1), q_ATHK.stride(2),
-            k_BGNK.stride(0), k_BGNK.stride(1), k_BGNK.stride(2),
-            v_BGNK.stride(0), v_BGNK.stride(1), v_BGNK.stride(2),
-            k_new.stride(0), k_new.stride(1), k_new.stride(2),
-            v_new.stride(0), v_new.stride(1), v_new.stride(2),
-            SPLIT=SPLIT, BM=max(16, pow2(T * R)), BK=BK, BT=max(2, pow2(T)),
-            DIRECT=direct, PRECISION=precision,
-            DOT_FP32=INTERPRET, ROPE=rope is not None, **CONFIG,
-        )  # fmt: skip
+        decode_attention_fwd[(A * G, P)](
+            q_ATHK,
+            k_BGNK,
+            v_BGNK,
+            rows_A,
+            positions_AT,
+            valid_AT,
+            out,
+            part,
+            stat,
+            k_new,
+            v_new,
+            cos,
+            sin,
+            T,
+            R,
+            G,
+            H,
+            K,
+            limit,
+            K**-0.5,
+            P,
+            positions_AT.stride(0),
+            positions_AT.stride(1),
+            valid_AT.stride(0),
+            valid_AT.stride(1),
+            q_ATHK.stride(0),
+            q_ATHK.stride(1),
+            q_ATHK.stride(2),
+            k_BGNK.stride(0),
+            k_BGNK.stride(1),
+            k_BGNK.stride(2),
+            v_BGNK.stride(0),
+            v_BGNK.stride(1),
+            v_BGNK.stride(2),
+            k_new.stride(0),
+            k_new.stride(1),
+            k_new.stride(2),
+            v_new.stride(0),
+            v_new.stride(1),
+            v_new.stride(2),
+            SPLIT=SPLIT,
+            BM=max(16, pow2(T * R)),
+            BK=BK,
+            BT=max(2, pow2(T)),
+            DIRECT=direct,
+            PRECISION=precision,
+            DOT_FP32=INTERPRET,
+            ROPE=rope is not None,
+            **CONFIG,
+        )
     if A * T and not direct:
-        AT.decode_attention_combine[(A * T * H,)](
+        decode_attention_combine[(A * T * H,)](
             part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
         )
     return out

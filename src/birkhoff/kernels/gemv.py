@@ -1,17 +1,12 @@
 """The engine's few-row matmul as a fused forward-only custom op (`birkhoff::gemv`).
 
-Legend: R activation rows, N output features, K input features.
+Legend: R activation rows (RB: padded to a power of two), N output features, K input features.
 
-`engine.linear.linear` calls `gemv` where fused kernels apply (`kernels.use_fused`) and
-`serves(R, N, K)`: one row always (a batch-1 decode step, a draft depth's one-position step),
-and 2 to MAX_ROWS rows where N <= K (a verify or draft pass of a few positions through the
-output and down projections): y = x W^T + b like F.linear, accumulated in fp32 and rounded once
-(cuBLAS also accumulates in fp32; the sums' order differs). Other shapes stay with cuBLAS: on the
-H200 its kernels were as fast from two rows on where N > K (the fused qkv and gate/up), and from
-MAX_ROWS + 1 rows on, and for 2-4 rows of a W larger than FEW_ROWS_WEIGHTS (docs/results.md).
-Block-fp8 weights (the engine's quantize="fp8") are decoded in the kernel from their e4m3 codes
-and block scales (no activation quantization), on the same rule. Launch: BN output features a
-program, K in BK-wide tiles (`CONFIG`, per row class).
+y = x W^T (+ b) for 1 to MAX_ROWS rows, accumulated in fp32 and rounded once: a stream over W
+in [BN, BK] tiles without tensor cores (a few rows have nothing to reuse a weight for).
+`engine.linear.linear` calls it where `serves(R, N, K)`; other shapes stay with cuBLAS.
+Block-fp8 weights (quantize="fp8") are decoded in registers from their e4m3 codes and block
+scales (no activation quantization). Launch: BN output features a program (`CONFIG`).
 """
 
 from __future__ import annotations
@@ -19,29 +14,76 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import gemv_triton as G
-from birkhoff.kernels.mhc_mix import check_inputs, pow2
+from birkhoff.kernels.common import check_inputs, pow2, tl, triton
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    s_ptr,
+    y_ptr,
+    R,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr,
+    SB: tl.constexpr,
+    RB: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """SCALED: W is e4m3 codes, one fp32 scale per [SB, SB] block; BN divides SB, so a program's
+    rows share one row of blocks and a K tile's scales are one [BK] vector (a scale loaded per
+    weight, or one per SB-wide run with its own sum, was slower)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.arange(0, RB)
+    n_ok, r_ok = n < N, r < R
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    scales = s_ptr + ((tl.program_id(0) * BN) // SB).to(tl.int64) * stride_s
+    acc = tl.zeros([RB, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        x = tl.load(
+            x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
+        )  # [RB, BK]
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALED:  # weight = code * its block's scale, in fp32
+            w = w.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
+        # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
+        # loads; the [BN, BK] form of the one-row sum was slower: docs/log/kernels.md)
+        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
+    out = y_ptr + r[:, None] * N + n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
 
 MAX_ROWS = 4
-# 2-4 rows: the largest W served (N * K). Measured on the H200: gemv ahead of cuBLAS and the fp8
-# GEMM at 768 x 2048 (1.6M), 1.5-2.3x behind them at 4096 x 4096 (16.8M) and wider; between, not
-# measured
+# 2-4 rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
 FEW_ROWS_WEIGHTS = 1 << 22
-# H200 sweeps (docs/results.md): one row, and 2 to MAX_ROWS rows
+# one row, and 2 to MAX_ROWS rows (from sweeps: docs/log/kernels.md)
 CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
 
 
 def serves(rows: int, N: int, K: int) -> bool:
     """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring), bf16
-    or block-fp8 (whose other matmul is `engine.fp8_matmul.fp8_linear`)."""
+    or block-fp8 (whose other matmul is `kernels.fp8_matmul.fp8_linear`)."""
     return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K and N * K <= FEW_ROWS_WEIGHTS)
 
 
 @torch.library.custom_op("birkhoff::gemv", mutates_args=())
 def gemv(
-    x: Tensor, weight: Tensor, bias: Tensor | None, scale_inv: Tensor | None = None,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    scale_inv: Tensor | None = None,
     block: int = 128,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """x @ weight^T + bias for x of 1 to MAX_ROWS rows ([..., K]), weight [N, K] with contiguous
     rows, bias [N] or None; the result [..., N] in x's dtype. `scale_inv`: weight holds block-fp8
     codes (float8_e4m3fn) and this is their fp32 scale per `block` x `block` block
@@ -60,25 +102,44 @@ def gemv(
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight rows must be contiguous, strides {weight.stride()}")
     if fp8 != (scale_inv is not None):
-        raise ValueError(f"gemv: a {weight.dtype} weight with scale_inv "
-                         f"{'given' if scale_inv is not None else 'missing'}: block-fp8 codes "
-                         "(float8_e4m3fn) take their scales, other weights none")  # fmt: skip
+        raise ValueError(
+            f"gemv: a {weight.dtype} weight with scale_inv "
+            f"{'given' if scale_inv is not None else 'missing'}: block-fp8 codes "
+            "(float8_e4m3fn) take their scales, other weights none"
+        )
     blocks = (-(-N // block), -(-K // block))
-    if scale_inv is not None and (tuple(scale_inv.shape) != blocks
-                                  or scale_inv.dtype != torch.float32):  # fmt: skip
-        raise ValueError(f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
-                         f"[{N}, {K}] fp8 weight, expected {blocks} float32")  # fmt: skip
+    if scale_inv is not None and (
+        tuple(scale_inv.shape) != blocks or scale_inv.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
+            f"[{N}, {K}] fp8 weight, expected {blocks} float32"
+        )
     cfg = CONFIG["one" if rows == 1 else "few"]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     if fp8 and (block % bn or block & (block - 1)):
         raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")
     y = x.new_empty((*x.shape[:-1], N))
     s = weight if scale_inv is None else scale_inv.contiguous()  # unread without scales
-    G.gemv[(-(-N // bn),)](
-        x.contiguous(), weight, weight if bias is None else bias, s, y, rows, N, K,
-        weight.stride(0), s.stride(0), HAS_BIAS=bias is not None, SCALED=fp8, SB=block,
-        RB=pow2(rows), BN=bn, BK=bk, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    gemv_kernel[(-(-N // bn),)](
+        x.contiguous(),
+        weight,
+        weight if bias is None else bias,
+        s,
+        y,
+        rows,
+        N,
+        K,
+        weight.stride(0),
+        s.stride(0),
+        HAS_BIAS=bias is not None,
+        SCALED=fp8,
+        SB=block,
+        RB=pow2(rows),
+        BN=bn,
+        BK=bk,
+        num_warps=cfg["num_warps"],
+    )
     return y
 
 

@@ -1,18 +1,14 @@
-"""The engine's per-token ops as fused forward-only custom ops, for inference (the engine's
-decode, verify, draft and prefill chunks): RMSNorm (`birkhoff::rms_norm`), rotary embedding
-(`birkhoff::rope`), an attention layer's rope + KV-cache write (`birkhoff::rope_cache`) and
-SwiGLU's silu(gate) * up (`birkhoff::silu_mul`).
+"""The engine's per-token ops as fused forward-only custom ops: RMSNorm (`birkhoff::rms_norm`),
+rotary embedding (`birkhoff::rope`), an attention layer's rope + KV-cache write
+(`birkhoff::rope_cache`) and SwiGLU's silu(gate) * up (`birkhoff::silu_mul`).
 
 Legend: N rows, D normalised dim, A rows of a chunk, T tokens, H heads, G kv heads, K head dim,
-B cache rows, N cache positions, F MLP hidden.
+B cache rows, F MLP hidden.
 
-`model.layers.rms_norm`, `apply_rope` and `swiglu` dispatch here when asked for fused kernels
-on CUDA and no gradient is needed (the training path keeps the eager functions and their
-autograd); engine/forward.py calls `rope_cache` where the eager path calls `apply_rope` twice
-and `KVCache.write`. Inputs
-may be strided views whose last dim is contiguous (q and k come as views of the fused qkv
-projection); outputs are fresh contiguous tensors in the input's dtype. Registered as custom ops
-with fake implementations, so a compiled region calling them does not break its graph.
+Each replaces a chain of eager elementwise kernels with one launch that reads its input once and
+writes its output once, in fp32 as the eager functions compute. `model.layers` dispatches here
+when fused kernels are on and no gradient is needed (training keeps the eager functions);
+inputs may be strided views whose last dim is contiguous. Left out: a backward.
 """
 
 from __future__ import annotations
@@ -20,8 +16,180 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import norm_rope_triton as R
-from birkhoff.kernels.mhc_mix import check_inputs, pow2
+from birkhoff.kernels.common import check_inputs, pow2, tl, triton
+
+
+@triton.jit
+def rms_norm_fwd(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    D,
+    stride_x,
+    eps,
+    HAS_W: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    d = tl.arange(0, BD)
+    ok = (n < N)[:, None] & (d < D)[None, :]
+    n64 = n.to(tl.int64)
+    x = tl.load(x_ptr + n64[:, None] * stride_x + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + n64[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotate(src, dst, cos, sin, h, ok, K2, src_head, dst_head, k):
+    """Rotate heads h (rows of the tile) of one token: src/dst point at its head 0. The fused
+    multiply-adds are spelled out (`rotate_pair`), so kernels that rotate their own tiles (the
+    decode attention's prologue) round as this one does."""
+    from_ = src + h[:, None] * src_head + k[None, :]
+    x1 = tl.load(from_, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(from_ + K2, mask=ok, other=0.0).to(tl.float32)
+    to = dst + h[:, None] * dst_head + k[None, :]
+    tl.store(to, rotate_pair(x1, x2, cos, sin, True).to(dst.dtype.element_ty), mask=ok)
+    tl.store(to + K2, rotate_pair(x2, x1, cos, sin, False).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotate_pair(x, partner, cos, sin, first):
+    """Rope's rotation of column x with its partner in the 'half' layout (x1 cos - x2 sin in
+    the first half, x2 cos + x1 sin in the second), as explicit fused multiply-adds: left to
+    the compiler, which product it fuses depends on the code around it."""
+    return tl.where(first, tl.fma(x, cos, -(partner * sin)), tl.fma(x, cos, partner * sin))
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, token, K2, k):
+    cos = tl.load(cos_ptr + token * K2 + k, mask=k < K2, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * K2 + k, mask=k < K2, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rope_fwd(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    H,
+    K2,
+    stride_row,
+    stride_head,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    k = tl.arange(0, BK)
+    ok = (h < H)[:, None] & (k < K2)[None, :]
+    cos, sin = _angles(cos_ptr, sin_ptr, row, K2, k)
+    _rotate(
+        x_ptr + row * stride_row,
+        y_ptr + row * (H * 2 * K2),
+        cos,
+        sin,
+        h,
+        ok,
+        K2,
+        stride_head,
+        2 * K2,
+        k,
+    )
+
+
+@triton.jit
+def rope_cache_fwd(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    rows_ptr,
+    pos_ptr,
+    T,
+    H,
+    G,
+    K2,
+    sq_a,
+    sq_t,
+    sq_h,
+    sk_a,
+    sk_t,
+    sk_h,
+    sv_a,
+    sv_t,
+    sv_h,
+    sp_a,
+    sp_t,
+    skc_b,
+    skc_g,
+    skc_n,
+    svc_b,
+    svc_g,
+    svc_n,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)  # a * T + t
+    a, t = token // T, token % T
+    k = tl.arange(0, BK)
+    h = tl.arange(0, BH)
+    cos, sin = _angles(cos_ptr, sin_ptr, token, K2, k)
+    ok_q = (h < H)[:, None] & (k < K2)[None, :]
+    _rotate(
+        q_ptr + a * sq_a + t * sq_t,
+        qo_ptr + token * (H * 2 * K2),
+        cos,
+        sin,
+        h,
+        ok_q,
+        K2,
+        sq_h,
+        2 * K2,
+        k,
+    )
+    row = tl.load(rows_ptr + a).to(tl.int64)
+    pos = tl.load(pos_ptr + a * sp_a + t * sp_t).to(tl.int64)
+    ok_k = (h < G)[:, None] & (k < K2)[None, :]
+    _rotate(
+        k_ptr + a * sk_a + t * sk_t,
+        kc_ptr + row * skc_b + pos * skc_n,
+        cos,
+        sin,
+        h,
+        ok_k,
+        K2,
+        sk_h,
+        skc_g,
+        k,
+    )
+    v_src = v_ptr + a * sv_a + t * sv_t + h[:, None] * sv_h + k[None, :]
+    v_dst = vc_ptr + row * svc_b + pos * svc_n + h[:, None] * svc_g + k[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=ok_k, other=0.0), mask=ok_k)
+    tl.store(v_dst + K2, tl.load(v_src + K2, mask=ok_k, other=0.0), mask=ok_k)
+
+
+@triton.jit
+def silu_mul_fwd(x_ptr, y_ptr, N, F, stride_x, BN: tl.constexpr, BF: tl.constexpr):
+    """y = silu(gate) * up of x = [gate | up] rows (SwiGLU), in fp32."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    ok = (n < N)[:, None] & (f < F)[None, :]
+    src = x_ptr + n.to(tl.int64)[:, None] * stride_x + f[None, :]
+    gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(src + F, mask=ok, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + n.to(tl.int64)[:, None] * F + f[None, :], y.to(y_ptr.dtype.element_ty), ok)
 
 
 @torch.library.custom_op("birkhoff::rms_norm", mutates_args=())
@@ -36,10 +204,19 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     N, BD = x_ND.shape[0], max(16, pow2(D))
     BN = max(1, min(16, 4096 // BD))
     if N:
-        R.rms_norm_fwd[(-(-N // BN),)](
-            x_ND, x_ND if weight is None else weight, y, N, D, x_ND.stride(0), eps,
-            HAS_W=weight is not None, BN=BN, BD=BD, num_warps=4 if BD <= 4096 else 8,
-        )  # fmt: skip
+        rms_norm_fwd[(-(-N // BN),)](
+            x_ND,
+            x_ND if weight is None else weight,
+            y,
+            N,
+            D,
+            x_ND.stride(0),
+            eps,
+            HAS_W=weight is not None,
+            BN=BN,
+            BD=BD,
+            num_warps=4 if BD <= 4096 else 8,
+        )
     return y
 
 
@@ -60,7 +237,7 @@ def rope(x_BTHK: Tensor, cos_BTK2: Tensor, sin_BTK2: Tensor) -> Tensor:
     BK = max(16, pow2(K // 2))
     BH = max(1, min(pow2(H), 2048 // BK))
     if B * T:
-        R.rope_fwd[(B * T, -(-H // BH))](
+        rope_fwd[(B * T, -(-H // BH))](
             x_BTHK, cos, sin, y, H, K // 2, x_BTHK.stride(1), x_BTHK.stride(2), BH=BH, BK=BK
         )
     return y
@@ -73,9 +250,16 @@ def _(x_BTHK, cos_BTK2, sin_BTK2):  # type: ignore[no-untyped-def]
 
 @torch.library.custom_op("birkhoff::rope_cache", mutates_args=("k_cache_BGNK", "v_cache_BGNK"))
 def rope_cache(
-    q_ATHK: Tensor, k_ATGK: Tensor, v_ATGK: Tensor, cos_ATK2: Tensor, sin_ATK2: Tensor,
-    k_cache_BGNK: Tensor, v_cache_BGNK: Tensor, rows_A: Tensor, positions_AT: Tensor,
-) -> Tensor:  # fmt: skip
+    q_ATHK: Tensor,
+    k_ATGK: Tensor,
+    v_ATGK: Tensor,
+    cos_ATK2: Tensor,
+    sin_ATK2: Tensor,
+    k_cache_BGNK: Tensor,
+    v_cache_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+) -> Tensor:
     """An attention layer's prologue: returns rope(q) and writes rope(k) and v into the caches
     at (rows_A[a], positions_AT[a, t]), as `rope` and `KVCache.write` do one by one (padded
     tokens point at the trash slot, which several may write)."""
@@ -88,14 +272,31 @@ def rope_cache(
     cos, sin = cos_ATK2.contiguous(), sin_ATK2.contiguous()
     q_out = torch.empty((A, T, H, K), dtype=q_ATHK.dtype, device=q_ATHK.device)
     if A * T:
-        R.rope_cache_fwd[(A * T,)](
-            q_ATHK, k_ATGK, v_ATGK, cos, sin, q_out, k_cache_BGNK, v_cache_BGNK, rows_A,
-            positions_AT, T, H, G, K // 2,
-            *q_ATHK.stride()[:3], *k_ATGK.stride()[:3], *v_ATGK.stride()[:3],
-            *positions_AT.stride(), *k_cache_BGNK.stride()[:3], *v_cache_BGNK.stride()[:3],
-            BH=max(2, pow2(max(H, G))), BK=max(16, pow2(K // 2)),
+        rope_cache_fwd[(A * T,)](
+            q_ATHK,
+            k_ATGK,
+            v_ATGK,
+            cos,
+            sin,
+            q_out,
+            k_cache_BGNK,
+            v_cache_BGNK,
+            rows_A,
+            positions_AT,
+            T,
+            H,
+            G,
+            K // 2,
+            *q_ATHK.stride()[:3],
+            *k_ATGK.stride()[:3],
+            *v_ATGK.stride()[:3],
+            *positions_AT.stride(),
+            *k_cache_BGNK.stride()[:3],
+            *v_cache_BGNK.stride()[:3],
+            BH=max(2, pow2(max(H, G))),
+            BK=max(16, pow2(K // 2)),
             num_warps=1 if max(H, G) * K <= 1024 else 4,
-        )  # fmt: skip
+        )
     return q_out
 
 
@@ -119,7 +320,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     BF = min(1024, max(16, pow2(F)))
     BN = max(1, min(16, 2048 // BF))
     if N:
-        R.silu_mul_fwd[(-(-N // BN), -(-F // BF))](x_NF, y, N, F, x_NF.stride(0), BN=BN, BF=BF)
+        silu_mul_fwd[(-(-N // BN), -(-F // BF))](x_NF, y, N, F, x_NF.stride(0), BN=BN, BF=BF)
     return y
 
 

@@ -2,10 +2,10 @@
 
 Legend: N draws.
 
-`engine.rng.RequestRandom.uniform` dispatches here when fused kernels are on (`use_fused`); the
-eager `splitmix64` stays the reference and the CPU path, and the two are bit-identical (tested
-in the Triton interpreter and on the GPU). A custom op with a fake impl, so a compiled region
-calling it keeps its graph; no host sync, so it runs inside the engine's CUDA graphs.
+`engine.rng.RequestRandom.uniform` dispatches here when fused kernels are on; the eager
+`splitmix64` (~20 int64 elementwise kernels a draw) stays the reference and the CPU path. The
+kernel gives the same bits from uint64 arithmetic in registers (`uniform_bits`, also drawn
+inside the sampling and verify kernels). No host sync, so it runs inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,8 +13,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels import rng_triton as R
-from birkhoff.kernels.mhc_mix import check_device
+from birkhoff.kernels.common import check_device, tl, triton
+
+
+@triton.jit
+def uniform_bits(key, counter):
+    """fp64 uniforms in [0, 1): the top 53 bits of splitmix64(key ^ counter) (int64 tensors)."""
+    z = key.to(tl.uint64, bitcast=True) ^ counter.to(tl.uint64, bitcast=True)
+    z = z + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    return (z >> 11).to(tl.float64) * 1.1102230246251565e-16  # 53 random bits -> [0, 1), exactly
+
+
+@triton.jit
+def splitmix_uniform_kernel(key_ptr, counter_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    key = tl.load(key_ptr + i, mask=ok, other=0)
+    counter = tl.load(counter_ptr + i, mask=ok, other=0)
+    tl.store(out_ptr + i, uniform_bits(key, counter), mask=ok)
+
 
 BLOCK = 256
 
@@ -33,7 +53,7 @@ def splitmix_uniform(key: Tensor, counter: Tensor) -> Tensor:
     out = torch.empty(key.shape, dtype=torch.float64, device=key.device)
     N = key.numel()
     if N:
-        R.splitmix_uniform[(-(-N // BLOCK),)](key, counter, out, N, BLOCK=BLOCK)
+        splitmix_uniform_kernel[(-(-N // BLOCK),)](key, counter, out, N, BLOCK=BLOCK)
     return out
 
 

@@ -23,13 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import KERNELS, Kernels, ModelConfig
-from birkhoff.kernels import TRITON, use_fused
+from birkhoff.kernels import mhc, use_fused
 from birkhoff.model.layers import _compute_dtype, rms_norm
 
 MHC_EPS = 1e-6  # DeepSeek-V4's hc_eps; ModelConfig.mhc_eps
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
-if TRITON and torch.cuda.is_available():  # registered before any compiled region calls them
-    import birkhoff.kernels.mhc  # noqa: F401
 
 
 def fused_ops(x: Tensor, kernels: str) -> ModuleType | None:
@@ -37,8 +35,6 @@ def fused_ops(x: Tensor, kernels: str) -> ModuleType | None:
     (`birkhoff.kernels.use_fused`), else None: the eager reference below runs."""
     if not use_fused(x, kernels):
         return None
-    from birkhoff.kernels import mhc
-
     return mhc
 
 
@@ -190,7 +186,10 @@ def mix_out(
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD.to(dtype))
+        # contiguous: the first sublayer's streams are the expanded embedding, whose zero
+        # stride sends the CPU bmm down a loop of one small matmul per token (same values)
+        x_BTSD = x_BTSD.to(dtype).contiguous()
+        residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD)
         y_BTSD = residual_BTSD + h_post_BTS.to(dtype)[..., None] * f_BTD.to(dtype)[:, :, None, :]
     return y_BTSD.to(out)
 

@@ -47,6 +47,7 @@ from birkhoff.refit.api import refit
 from birkhoff.refit.session import RefitReport
 from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
+from birkhoff.rl.evaluate import eval_metrics, evaluate
 from birkhoff.rl.loss import grpo_loss
 from birkhoff.rl.mtp_warmup import self_distill_steps
 from birkhoff.rl.reduce import rollout_metrics
@@ -79,7 +80,7 @@ from birkhoff.tokenizer import CharTokenizer, Tokenizer
 from birkhoff.train.loop import supervised_steps
 from birkhoff.train.optim import build_optimizer
 from birkhoff.train.recompute import build_model
-from birkhoff.train.step import LossFn, Metrics, train_step
+from birkhoff.train.step import LossFn, Metrics, SkipCounter, train_step
 
 CHECKPOINT_DIR = "checkpoint"
 SEED_STRIDE = 1 << 20  # rank r samples with seed + r * SEED_STRIDE (rank 0: the plain seed)
@@ -163,6 +164,7 @@ class GRPORun:
         self.step = 0  # global: warm-up steps, then GRPO steps
         self.checkpoint_step: int | None = None  # the step the run's checkpoint holds
         self.stopped_by: str | None = None  # why the last `run` ended early (runtime.stop)
+        self.skips = SkipCounter(preset.train.max_skipped_in_row)  # non-finite steps
         self.trainer_version = 0  # optimizer updates since the engine's weights were taken
         self.engine = self.build_engine()  # from the whole model, before any sharding
         if self.dist.enabled:
@@ -250,15 +252,16 @@ class GRPORun:
         rl = self.rl
         train_cfg = self.preset.train.replace(lr=rl.lr, warmup_steps=0, min_lr_ratio=1.0)
         loss_fn = grpo_loss_fn(rl, self.reference)
-        start, metrics = time.perf_counter(), {}
+        start, metrics, skipped = time.perf_counter(), {}, 0.0
         for _ in range(rl.updates_per_step):
             version = self.engine_version_of_trainer()
             check_staleness(batch.weight_versions, version, rl.max_staleness)
             metrics = train_step(
                 self.model, self.optimizer, batch, train_cfg, step=self.step, loss_fn=loss_fn
             )
+            skipped += metrics["skipped"]
             self.trainer_version += 1
-        return metrics, time.perf_counter() - start
+        return metrics | {"skipped": skipped}, time.perf_counter() - start
 
     def engine_version_of_trainer(self) -> int:
         """The version the trainer's weights would get at the next refit."""
@@ -284,12 +287,9 @@ class GRPORun:
         if not self.eval_problems:
             return {}
         problems = take(self.eval_problems, self.dist)  # each rank evaluates its share
-        args = (self.engine, problems, self.task, self.tokenizer, self.rl)
-        greedy = rollout_metrics(rollout(*args, seed=self.rank_seed(0), greedy=True), self.device)
-        sampled = rollout_metrics(rollout(*args, seed=self.rank_seed(0)), self.device)
-        out = {"eval_reward": greedy["reward"], "eval_sampled_reward": sampled["reward"]}
-        out.update({f"eval_{k}": v for k, v in greedy.items() if k.startswith("accept_")})
-        return out
+        ev = evaluate(self.engine, problems, self.task, self.tokenizer, self.rl,
+                      seed=self.rank_seed(0))  # fmt: skip
+        return eval_metrics(ev, self.device)  # the code of `birkhoff eval` (rl/evaluate.py)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -298,6 +298,7 @@ class GRPORun:
             "engine_version": self.engine.weight_version,
             "preset": self.preset.name,
             "config": as_settings(self.preset),
+            **self.skips.state(),
         }  # the resolved settings, for --resume
         save = save_sharded if self.dist.enabled else save_checkpoint
         save(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step, extra=extra)
@@ -328,6 +329,7 @@ class GRPORun:
         if extra.get("preset") != self.preset.name:
             raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
         self.step = self.checkpoint_step = step
+        self.skips.restore(extra)
         if self.dist.enabled:
             self.refit()
         else:
@@ -389,10 +391,13 @@ class GRPORun:
             grpo_done > 0 and (grpo_done % self.rl.eval_every == 0 or self.step == self.total_steps)
         ):
             rows.append({"phase": "eval", "step": self.step, **self.evaluate_generated()})
+        self.skips.count(row)
         for r in rows:
             if self.dist.is_main:
                 self.log.append(r)
         bar.update(self.log.postfix())
+        self.skips.check(row["step"], checkpoint=self.out / CHECKPOINT_DIR,
+                         checkpoint_step=self.checkpoint_step)  # fmt: skip
         if self.should_checkpoint():
             self.save()
         return rows

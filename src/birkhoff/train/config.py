@@ -39,6 +39,7 @@ class TrainConfig:
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
     compile: bool = False  # torch.compile blocks, MTP depths, heads (train/recompute.py)
     cuda_graph: bool = False  # supervised steps replay forward + backward from CUDA graphs
+    max_skipped_in_row: int = 5  # this many non-finite steps in a row stop the run
     # fused Triton ops for the mHC modules ("auto": on CUDA) and, in the RL loop, the engine's
     kernels: Kernels = "auto"
 
@@ -56,7 +57,7 @@ class TrainConfig:
             len(b) == 2 and all(0 <= x < 1 for x in b), "betas", b, "must be two values in [0, 1)"
         )
         check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        for name in ("num_steps", "batch_size", "log_every"):
+        for name in ("num_steps", "batch_size", "log_every", "max_skipped_in_row"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
         check(isinstance(self.seed, int), "seed", self.seed, "must be an int")

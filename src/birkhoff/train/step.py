@@ -19,8 +19,10 @@ Design choices:
   carry that load (`load_metrics`: moe_max_load, moe_mean_load, moe_max_over_mean,
   moe_rerouted_fraction, moe_balance_loss). Both are no-ops for a dense model. Under data
   parallel the load is first summed over ranks, so every rank's biases stay equal.
-- A step whose global gradient norm is not finite is skipped (no parameter or optimizer state
-  changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
+- A step whose loss or global gradient norm is not finite is skipped (no parameter or optimizer
+  state changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
+  `SkipCounter` counts them for the loops: `TrainConfig.max_skipped_in_row` in a row stop the
+  run (`NonFiniteError`); the weights are then still those of the last applied step.
 - Data parallel (FSDP2, birkhoff.runtime.distributed): the loss function returns this rank's
   share of the global token mean, FSDP2 averages gradients over ranks, so the loss is
   backpropagated times the world size; the reported `loss` is the sum of the shares (the global
@@ -35,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -164,7 +167,8 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor when the gradients are FSDP2 shards
         grad_norm = grad_norm.full_tensor()
-    applied = bool(torch.isfinite(grad_norm))
+    loss_sum = global_sum(loss.detach())  # every rank decides alike
+    applied = bool(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
     sum_expert_load(model)
     load = load_metrics(model)  # before the bias moves: what this step's forward routed
     if applied:
@@ -172,7 +176,47 @@ def train_step(
         update_router_bias(model)
     optimizer.zero_grad(set_to_none=True)
     floats = {name: float(value) for name, value in metrics.items()} | load
-    result = {"loss": float(global_sum(loss.detach()))}
+    result = {"loss": float(loss_sum)}
     result.update(reduce_floats(floats, "mean", loss.device))
     result.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if applied else 1.0)
     return result
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+class SkipCounter:
+    """Counts skipped (non-finite) steps: the run's total goes into each metrics row
+    (`skipped_total`); `max_in_row` of them in a row raise `NonFiniteError`."""
+
+    def __init__(self, max_in_row: int) -> None:
+        self.max_in_row, self.total, self.in_row = max_in_row, 0, 0
+
+    def count(self, row: dict[str, Any]) -> None:
+        """Count the skipped updates of `row` (a train row) and record the total in it."""
+        skipped = int(row.get("skipped", 0.0))
+        self.total += skipped
+        self.in_row = self.in_row + 1 if skipped else 0
+        row["skipped_total"] = float(self.total)
+
+    def check(self, step: int, *, checkpoint: Path, checkpoint_step: int | None) -> None:
+        """Raise `NonFiniteError` after too many in a row, pointing at the last checkpoint."""
+        if self.in_row < self.max_in_row:
+            return
+        first = step - self.in_row + 1
+        where = "none written yet" if checkpoint_step is None else (
+            f"{checkpoint} (step {checkpoint_step}; --resume continues from it)")  # fmt: skip
+        raise NonFiniteError(
+            f"steps {first}-{step}: {self.in_row} steps in a row had a non-finite loss or "
+            f"gradient norm and were skipped (max_skipped_in_row={self.max_in_row}; the "
+            f"weights are those of step {first}); last good checkpoint: {where}"
+        )
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps of the counts (`restore` takes it back)."""
+        return {"skipped_total": self.total, "skipped_in_row": self.in_row}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.total = int(state.get("skipped_total", 0))
+        self.in_row = int(state.get("skipped_in_row", 0))

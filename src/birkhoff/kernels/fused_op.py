@@ -1,27 +1,17 @@
 """A custom op with a direct eager entry: `FusedOp`.
 
 Every fused training op is a `torch.library` custom op with a fake impl and registered
-autograd, so torch.compile traces it as one node (no graph break) and its backward is a custom
-op too. In eager code the custom-op dispatcher is slow for what it does: argument
-normalisation, the generated autograd node, alias checks of the outputs and a dynamo guard cost
-the host 0.1-0.4 ms per call (cProfile of a training step on the H200's host,
-`benchmarks/train_profile.py --python-profile`), and at S = 4 a training step issues ~140 such
-calls, which made it host-bound. So outside compiled code a `FusedOp` calls the same
-implementation directly, and when a gradient is needed it runs it inside a
-`torch.autograd.Function` built from the same setup-context and backward functions the custom
-op registers: one implementation and one backward, two entry points (tests run both against
-the eager reference; `torch.library.opcheck` checks the registered op).
-
-The op is registered with `torch.library.triton_op`: its implementation launches its Triton
-kernels through `wrap_triton`, so torch.compile traces into it and inductor launches the
-kernels from its own generated code (a custom op stays opaque, and the compiled graph would
-call it through the same slow dispatcher). Under the Triton interpreter (CPU tests), where
-traced kernels cannot run on fake tensors, it is a plain `custom_op` with the given fake impl.
+autograd, so torch.compile traces it as one node and its backward is a custom op too. Outside
+compiled code the custom-op dispatcher costs the host more than the kernels (a training step
+issues ~140 such calls), so a `FusedOp` there calls the same implementation directly, inside a
+`torch.autograd.Function` built from the same setup-context and backward when a gradient is
+needed: one implementation and one backward, two entry points. The op is a
+`torch.library.triton_op` (inductor launches its kernels from generated code); under the Triton
+interpreter, where traced kernels cannot run on fake tensors, a plain `custom_op`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,9 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from birkhoff.kernels import needs_grad
+from birkhoff.kernels.common import INTERPRET, needs_grad
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 _direct = threading.local()  # .on: inside FusedOp's direct eager entry
 
 

@@ -17,7 +17,7 @@ memory-bound decode pays for. The two modes of `fp8_linear`:
       y[n, y] = sum_g  w_scale[y // 128, g] * sum_{x in g} x[n, x] qw[y, x]
   One launch and no activation rounding; at tens of rows the product is not what bounds the
   matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there;
-  at a few hundred it does (CONFIG's comment has the timings).
+  at a few hundred it does (docs/log/kernels.md).
   The CPU reference of this mode is the dequantizing path itself, up to the fp32 sums' order.
 
 Reference: `fp8_linear_reference` computes either formula from the dequantized operands in
@@ -35,15 +35,8 @@ import os
 import torch
 from torch import Tensor
 
-from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with torch on Linux
-    triton = None
-
-_AMAX_FLOOR = torch.finfo(torch.float32).tiny * FP8_MAX
+from birkhoff.kernels.common import TRITON, tl, triton
+from birkhoff.kernels.fp8_quantize import AMAX_FLOOR, FP8_BLOCK, FP8_DTYPE, FP8_MAX
 
 
 def interpreting() -> bool:
@@ -52,7 +45,7 @@ def interpreting() -> bool:
 
 def supported(x: Tensor) -> bool:
     """Whether the fp8 kernel runs for activations `x` (else: dequantize, then matmul)."""
-    if triton is None:
+    if not TRITON:
         return False
     if x.device.type == "cuda":
         return torch.cuda.get_device_capability(x.device) >= (8, 9) and not interpreting()
@@ -67,7 +60,7 @@ def quantize_activation(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     G = -(-X // FP8_BLOCK)
     x_NGB = torch.nn.functional.pad(x_NX.float(), (0, G * FP8_BLOCK - X)).view(N, G, FP8_BLOCK)
     amax_NG = x_NGB.abs().amax(dim=-1)
-    scale_NG = amax_NG.clamp_min(_AMAX_FLOOR) * (1.0 / FP8_MAX)
+    scale_NG = amax_NG.clamp_min(AMAX_FLOOR) * (1.0 / FP8_MAX)
     q_NGB = (x_NGB * scale_NG.reciprocal()[..., None]).to(FP8_DTYPE)
     return q_NGB.view(N, G * FP8_BLOCK)[:, :X], scale_NG
 
@@ -80,8 +73,9 @@ def quantize_activation_cuda(x_NX: Tensor) -> tuple[Tensor, Tensor]:
     x_NX = x_NX.contiguous()
     qa_NX = torch.empty(N, X, dtype=FP8_DTYPE, device=x_NX.device)
     a_scale_NG = torch.empty(N, G, dtype=torch.float32, device=x_NX.device)
-    _quantize_rows[(N, G)](x_NX, qa_NX, a_scale_NG, X, G, _AMAX_FLOOR, 1.0 / FP8_MAX,
-                           BLOCK_X=FP8_BLOCK)  # fmt: skip
+    _quantize_rows[(N, G)](
+        x_NX, qa_NX, a_scale_NG, X, G, AMAX_FLOOR, 1.0 / FP8_MAX, BLOCK_X=FP8_BLOCK
+    )
     return qa_NX, a_scale_NG
 
 
@@ -115,7 +109,7 @@ def fp8_linear(
 ) -> Tensor:
     """x @ W^T for block-fp8 W (codes q_YX, scales scale_inv); x's dtype out. `quantize_input`:
     True for fp8 x fp8, False for weight-only, None to choose by row count (`weight_only`)."""
-    assert triton is not None and q_YX.dtype == FP8_DTYPE, q_YX.dtype
+    assert TRITON and q_YX.dtype == FP8_DTYPE, q_YX.dtype
     assert q_YX.is_contiguous() and scale_inv.is_contiguous()
     x_NX = x.reshape(-1, x.shape[-1])
     N, X = x_NX.shape
@@ -133,70 +127,101 @@ def fp8_linear(
     block_y = CONFIG["BLOCK_Y_FEW"] if N <= 64 else CONFIG["BLOCK_Y"]
     grid = (triton.cdiv(N, block_m), triton.cdiv(Y, block_y))
     _fp8_gemm[grid](
-        a_NX, a_scale_NG, q_YX, scale_inv, y_NY, N, Y, X,
-        a_NX.stride(0), a_scale_NG.stride(0), scale_inv.stride(0),
-        QUANTIZED_A=quantize_input, IEEE=a_NX.dtype == torch.float32 or interpreting(),
-        BLOCK_N=block_m, BLOCK_Y=block_y, BLOCK_X=FP8_BLOCK, num_warps=4, num_stages=3,
-    )  # fmt: skip
+        a_NX,
+        a_scale_NG,
+        q_YX,
+        scale_inv,
+        y_NY,
+        N,
+        Y,
+        X,
+        a_NX.stride(0),
+        a_scale_NG.stride(0),
+        scale_inv.stride(0),
+        QUANTIZED_A=quantize_input,
+        IEEE=a_NX.dtype == torch.float32 or interpreting(),
+        BLOCK_N=block_m,
+        BLOCK_Y=block_y,
+        BLOCK_X=FP8_BLOCK,
+        num_warps=4,
+        num_stages=3,
+    )
     return y_NY.view(*x.shape[:-1], Y)
 
 
 # output features a program (dividing FP8_BLOCK), up to 64 activation rows and above: narrow
-# tiles give few rows more programs (H200, `python benchmarks/fp8_matmul.py`, docs/results.md:
-# a layer's projections at 64 rows 29.8 -> 26.9 us with 16 instead of 64); WEIGHT_ONLY_ROWS:
-# up to how many rows the weight-only mode runs (H100, same script: a layer's projections at
-# 16 / 64 rows 24.2 / 26.7 us weight-only against 27.0 / 28.6 fp8 x fp8, at 256 rows 41.1
-# against 35.0: there the bf16 dots cost more than the quantization launch); read at every call
+# tiles give few rows more programs; WEIGHT_ONLY_ROWS: up to how many rows the weight-only mode
+# runs (beyond, the bf16 dots cost more than the quantization launch). Measured with
+# `python benchmarks/fp8_matmul.py` (docs/log/kernels.md); read at every call
 CONFIG = {"BLOCK_Y_FEW": 16, "BLOCK_Y": 32, "WEIGHT_ONLY_ROWS": 64}
 
-if triton is not None:
 
-    @triton.jit
-    def _fp8_gemm(
-        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, y_ptr, N, Y, X,
-        stride_a, stride_a_scale, stride_w_scale,
-        QUANTIZED_A: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_X: tl.constexpr,
-    ):  # fmt: skip
-        """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
-        divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
-        codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
-        widened to its dtype (IEEE: to fp32, multiplied in full fp32: fp32 activations, and all
-        in the Triton interpreter, whose bf16 dots are wrong)."""
-        pid_n, pid_y = tl.program_id(0), tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
-        xs = tl.arange(0, BLOCK_X)
-        row_ok, col_ok = rows < N, cols < Y
-        w_scale_row = (pid_y * BLOCK_Y) // BLOCK_X  # BLOCK_Y divides the 128-row scale block
-        acc = tl.zeros((BLOCK_N, BLOCK_Y), dtype=tl.float32)
-        for g in range(0, tl.cdiv(X, BLOCK_X)):
-            x = g * BLOCK_X + xs
-            x_ok = x < X
-            a = tl.load(a_ptr + rows[:, None] * stride_a + x[None, :],
-                        mask=row_ok[:, None] & x_ok[None, :], other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + cols[None, :] * X + x[:, None],
-                        mask=col_ok[None, :] & x_ok[:, None], other=0.0)  # fmt: skip
-            w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
-            if QUANTIZED_A:
-                a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
-                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
-            elif IEEE:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
-            else:
-                acc += tl.dot(a, w.to(a.dtype)) * w_scale
-        tl.store(y_ptr + rows[:, None] * Y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+@triton.jit
+def _fp8_gemm(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    y_ptr,
+    N,
+    Y,
+    X,
+    stride_a,
+    stride_a_scale,
+    stride_w_scale,
+    QUANTIZED_A: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Y: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    """One [BLOCK_N, BLOCK_Y] tile of y; one X tile is one 128-group of both scales (BLOCK_Y
+    divides the 128-row weight block: one weight scale per tile). QUANTIZED_A: a holds e4m3
+    codes with their scales (fp8 x fp8 dots); else a is the activation, the codes are
+    widened to its dtype (IEEE: to fp32, multiplied in full fp32: fp32 activations, and all
+    in the Triton interpreter, whose bf16 dots are wrong)."""
+    pid_n, pid_y = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
+    xs = tl.arange(0, BLOCK_X)
+    row_ok, col_ok = rows < N, cols < Y
+    w_scale_row = (pid_y * BLOCK_Y) // BLOCK_X  # BLOCK_Y divides the 128-row scale block
+    acc = tl.zeros((BLOCK_N, BLOCK_Y), dtype=tl.float32)
+    for g in range(0, tl.cdiv(X, BLOCK_X)):
+        x = g * BLOCK_X + xs
+        x_ok = x < X
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_a + x[None, :],
+            mask=row_ok[:, None] & x_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :] * X + x[:, None], mask=col_ok[None, :] & x_ok[:, None], other=0.0
+        )
+        w_scale = tl.load(w_scale_ptr + w_scale_row * stride_w_scale + g)
+        if QUANTIZED_A:
+            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + g, mask=row_ok, other=0.0)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
+        elif IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee") * w_scale
+        else:
+            acc += tl.dot(a, w.to(a.dtype)) * w_scale
+    tl.store(
+        y_ptr + rows[:, None] * Y + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
-    @triton.jit
-    def _quantize_rows(x_ptr, q_ptr, scale_ptr, X, G, amax_floor, inv_max, BLOCK_X: tl.constexpr):
-        """One program per (row, 128-group): amax, scale = amax / 448, codes = x / scale."""
-        row, g = tl.program_id(0), tl.program_id(1)
-        k = g * BLOCK_X + tl.arange(0, BLOCK_X)
-        x = tl.load(x_ptr + row * X + k, mask=k < X, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_max
-        # IEEE reciprocal (Triton's `/` may be approximate) as torch's, for identical codes
-        recip = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
-        q = (x * recip).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row * X + k, q, mask=k < X)
-        tl.store(scale_ptr + row * G + g, scale)
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, scale_ptr, X, G, amax_floor, inv_max, BLOCK_X: tl.constexpr):
+    """One program per (row, 128-group): amax, scale = amax / 448, codes = x / scale."""
+    row, g = tl.program_id(0), tl.program_id(1)
+    k = g * BLOCK_X + tl.arange(0, BLOCK_X)
+    x = tl.load(x_ptr + row * X + k, mask=k < X, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_max
+    # IEEE reciprocal (Triton's `/` may be approximate) as torch's, for identical codes
+    recip = tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
+    q = (x * recip).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * X + k, q, mask=k < X)
+    tl.store(scale_ptr + row * G + g, scale)

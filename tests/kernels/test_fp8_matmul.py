@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import tiny_config
 
-from birkhoff.engine import Engine, SamplingParams, fp8_matmul
+from birkhoff.config import ModelConfig
+from birkhoff.engine import Engine, SamplingParams
 from birkhoff.engine.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
-from birkhoff.engine.fp8_matmul import (
+from birkhoff.kernels import fp8_matmul
+from birkhoff.kernels.fp8_matmul import (
     fp8_linear,
     fp8_linear_reference,
     quantize_activation,
@@ -24,6 +25,22 @@ from birkhoff.engine.fp8_matmul import (
 from birkhoff.model import Transformer
 
 SHAPES = [(3, 200, 130), (20, 256, 64), (1, 96, 40), (70, 384, 256)]  # N rows, X in, Y out
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """tests/engine's tiny engine config (engine_helpers.tiny_config)."""
+    base: dict[str, object] = dict(
+        vocab_size=16,
+        dim=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        num_streams=2,
+        mtp_depth=2,
+        max_seq_len=48,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
 
 
 def check_kernel(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> None:
@@ -102,7 +119,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 from test_fp8_matmul import check_engine_weight_only, check_kernel, check_mode_rule
-from birkhoff.engine import fp8_matmul
+from birkhoff.kernels import fp8_matmul
 assert fp8_matmul.supported(torch.zeros(1))
 check_kernel("cpu", torch.float32, [(3, 200, 130), (1, 96, 40)])
 check_kernel("cpu", torch.bfloat16, [(20, 256, 64)])
@@ -112,6 +129,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_kernel_in_the_triton_interpreter() -> None:
     """The kernel runs on CPU only in the interpreter, which must be on before Triton compiles
     anything: a fresh interpreter process."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from birkhoff.kernels.ops import FusedOp
+from birkhoff.kernels.fused_op import FusedOp
 
 
 def _scale_impl(x: Tensor, factor: float) -> Tensor:

@@ -1,39 +1,24 @@
-"""Launch parameters of the fused mHC kernels, and the variants the sweep compares.
+"""Launch parameters of the fused mHC kernels, the paddings they use, and the sweep's variants.
 
-`CONFIG` is what the ops launch (read at every call, so a change applies at the next call): BN
-tokens and BC / BD columns per program, num_warps, num_stages. coeff_proj splits the C columns
-until its grid has about PROGRAMS programs (decode's few tokens too); grad_phi sums TOKENS
-tokens (a multiple of BN) per partial g_phi, and grad_x's dots walk TOKENS tokens BN at a time
-(their phi tiles loaded once; "fma" takes BN tokens a program). PREC is the precision of the
-projection's products: "bf16x3" (coeff_proj on bf16 streams: phi as three bf16 terms, exact
-products, ~fp32; grad_x: the three largest products of bf16 terms of g_raw and phi, ~2^-15
-relative, for g_x written in bf16), "tf32x3" (three TF32 products, ~fp32 accurate; bf16 is
-exact in TF32), "tf32" (one product, ~1e-3 relative) or "fma" (grad_x: exact fp32 FMAs);
-grad_phi on bf16 streams splits g_raw into three bf16 terms instead and does not read PREC, and
-TRANS computes its product as g_phi^T = x^T g_raw; grad_x's PHI (bf16 streams, at most 32
-padded logits) has it compute g_phi's partials over its TOKENS tokens from the x tiles it
-reads, and grad_phi does not run. fp32 streams use the "_fp32" entries with exact fp32 "ieee"
-dots and FMAs. Every entry here and in `SWEEP` compiles for sm_90 without
-register spills with Triton 3.9 and 3.6 (tests/kernels/test_mhc_compile.py, at the training
-shape's specialisation; the device's 3.6 gave the registers ncu reports) and matches the eager
-path under the Triton interpreter.
-
-coeff_proj's PROGRAMS comes from an H200 sweep (`python benchmarks/mhc_sweep.py`,
-docs/results.md; 1056 programs: coefficient forward 0.39 -> 0.23 ms), and so do the bf16x3
-dots of coeff_proj and grad_x and grad_phi's TRANS (`mhc_sweep-cuda-bf16.json`, device time
-of graph replays: coefficient forward 0.157 -> 0.067 ms, its backward's grad_x and grad_phi
--87 and -67 us), and grad_x's 4 warps and 256 tokens a program (8 warps and 1024 before: coefficient
-fwd+bwd 0.340 -> 0.300 ms at 4 warps, `mhc_sweep-cuda-bf16-grad_x-warps.json`; ncu 205 -> 137
-us), and grad_x's PHI at 1024 tokens a program (`mhc_sweep-cuda-bf16-grad_x-phi.json`:
-coefficient fwd+bwd 0.288 -> 0.273 ms); the engine's exit and entry launches come from
-`python benchmarks/mhc_exit.py` (`mhc-exit-cuda-tiles.json`: at 256 tokens, exit 6.68 -> 5.79
-us with 32 tokens a program, entry 3.65 -> 3.19 us with 256 programs); the other entries
-come from ptxas register counts.
+`CONFIG` is what the ops launch (read at every call, so a change applies at the next call; no
+`triton.autotune`, whose first call syncs inside a graph capture): BN tokens and BC / BD columns
+a program, num_warps, num_stages; coeff_proj splits C until about PROGRAMS programs; TOKENS:
+tokens a partial g_phi sums; PREC: the projection's products ("bf16x3", "tf32x3", "tf32", "ieee",
+"fma"); TRANS: grad_phi's product order; PHI: grad_x also forms g_phi. fp32 streams use the
+"_fp32" entries. `launch` adapts an entry to S streams. Every entry here and in `SWEEP`
+compiles for sm_90 without spills (tests/kernels/mhc/test_compile.py); the measurements that
+chose them are in docs/log/kernels.md.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
+from birkhoff.kernels.common import pow2
+
 Launch = dict[str, int | str]
+
 
 CONFIG: dict[str, Launch] = {
     "coeff_proj": dict(BN=64, BC=64, num_warps=4, num_stages=3, PREC="bf16x3", PROGRAMS=1056),
@@ -54,6 +39,38 @@ CONFIG: dict[str, Launch] = {
     "mix_out_proj": dict(BN=16, BD=16, num_warps=4, PROGRAMS=384),
     "pre_mix_norm": dict(PROGRAMS=256, num_warps=4),
 }
+
+
+def pad_streams(S: int) -> int:
+    return max(2, pow2(S))
+
+
+def padded_logits(P: int) -> int:
+    """PP: P padded to a power of two >= 16 (what tl.dot needs)."""
+    return max(16, pow2(P))
+
+
+def pads(S: int, P: int) -> tuple[int, int]:
+    """(SP, PP): S padded to a power of two >= 2, P to a power of two >= 16 (tl.dot)."""
+    return pad_streams(S), padded_logits(P)
+
+
+def launch(name: str, x: Tensor | None = None, S: int = 4) -> Launch:
+    """CONFIG[name] (its "_fp32" entry for fp32 streams) for S streams, tuned at S = 4: for
+    S > 4 the coefficient kernels' token block shrinks (their Sinkhorn state is BN x SP x SP,
+    the projection BN x PP), and so do grad_phi's blocks (accumulator PP x BC, g_raw BN x PP)
+    and the columns of coeff_proj's and grad_x's dots (phi tiles PP x BC)."""
+    fp32 = x is not None and x.dtype == torch.float32 and f"{name}_fp32" in CONFIG
+    cfg = dict(CONFIG[f"{name}_fp32" if fp32 else name])
+    if name.startswith("coeff"):
+        cfg["BN"] = max(16, int(cfg["BN"]) * 16 // max(16, pad_streams(S) ** 2))
+    if name in ("grad_phi", "coeff_proj") or (name == "grad_x" and cfg["PREC"] == "bf16x3"):
+        shrink = max(32, pads(S, S * S + 2 * S)[1]) // 32
+        cfg["BC"] = max(16, int(cfg["BC"]) // shrink)
+        if name == "grad_phi":
+            cfg["BN"] = max(16, int(cfg["BN"]) // shrink)
+    return cfg
+
 
 # grad_x before g_phi moved into its pass (grad_phi's own pass over x), and the tiles swept then
 _GRAD_X_SEPARATE: Launch = dict(BN=64, BC=64, TOKENS=256, num_warps=4, PREC="bf16x3")
