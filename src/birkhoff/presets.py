@@ -6,9 +6,10 @@ tokenizer is fixed in code, so every preset's vocab_size is the tokenizer's. `rl
 for the RL loop's config (None = supervised training only).
 
 - `tiny_cpu`: the default main job on 2 CPU cores: 1-digit addition, 50 supervised warm-up
-  steps then 150 GRPO steps (about a minute), full recompute with safe reclaim; `birkhoff train`
-  with it learns the task within its 800 steps. Tiny matrices gain nothing from intra-op
-  threads and suffer badly when cores are shared, so it runs on one.
+  steps then 150 GRPO steps (about a minute), full recompute with safe reclaim, one MTP draft
+  per verify step (benchmarks/cpu_step.py); `birkhoff train` with it learns the task within its
+  800 steps. Tiny matrices gain nothing from intra-op threads and suffer badly when cores are
+  shared, so it runs on one.
 - `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
   benchmark model for one H200.
 - `h200_grpo`: the same trunk for the main job on one H200 (1-digit addition, short sequences).
@@ -87,7 +88,9 @@ def tiny_cpu() -> Preset:
         group_size=8,
         max_new_tokens=4,
         lr=3e-4,
-        num_speculative_tokens=2,
+        # one MTP draft: at 4 new tokens two drafts cost more (two draft passes a step and a
+        # second catch-up pass over each prompt) than the verify steps they save on CPU
+        num_speculative_tokens=1,
         num_eval_prompts=128,
         eval_every=10,
         checkpoint_every=10,
