@@ -129,6 +129,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_kernel_in_the_triton_interpreter() -> None:
     """The kernel runs on CPU only in the interpreter, which must be on before Triton compiles
     anything: a fresh interpreter process."""

@@ -172,11 +172,13 @@ def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
     assert not spilled, f"(registers, spill bytes) per kernel: {spilled}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("S", "dtype"), [(4, "bf16"), (4, "fp32"), (8, "bf16")])
 def test_kernels_compile_for_sm90_without_spills(S: int, dtype: str) -> None:
     assert_no_spills(kernel_usage(S, dtype))
 
 
+@pytest.mark.slow
 def test_kernels_compile_with_float_arguments_as_inductor_passes_them() -> None:
     # torch.compile launches the triton_ops' kernels from inductor's code, with fp64 floats
     assert_no_spills(kernel_usage(4, "bf16", floats="fp64"))

@@ -17,6 +17,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cases",
     [

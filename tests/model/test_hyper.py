@@ -14,6 +14,7 @@ from birkhoff.model.hyper import (
     init_bias,
     mhc_coefficients,
     mix_in,
+    mix_out,
     sinkhorn,
     use_fused,
 )
@@ -232,3 +233,17 @@ def test_config_fields_reach_the_hyper_connection_and_are_validated() -> None:
     assert len(mhc) == 2 * 2 + 2 and all(m.kernels == "eager" for m in mhc)
     with pytest.raises(ValueError, match="kernels='cuda'"):
         apply_kernels(model, "cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mix_out_of_expanded_streams_equals_contiguous(dtype: torch.dtype) -> None:
+    # the first sublayer reads the expanded embedding; mix out copies it before its bmm
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(16, 9, 64, generator=g, dtype=dtype)
+    post, res = (
+        torch.rand(16, 9, 4, generator=g, dtype=dtype),
+        torch.rand(16, 9, 4, 4, generator=g, dtype=dtype),
+    )
+    f = torch.randn(16, 9, 64, generator=g, dtype=dtype)
+    x = expand_streams(emb, 4)
+    assert torch.equal(mix_out(x, f, post, res), mix_out(x.contiguous(), f, post, res))

@@ -28,7 +28,7 @@ def small_preset() -> Preset:
 
 def deterministic(rows: list[dict]) -> list[dict]:
     """Timing and memory figures vary between runs; nothing else."""
-    return [{k: v for k, v in r.items() if not k.endswith(("_s", "_gb_s"))
+    return [{k: v for k, v in r.items() if not k.endswith(("_s", "_gb_s")) and k != "timestamp"
              and not k.startswith("mem_")} for r in rows]  # fmt: skip
 
 

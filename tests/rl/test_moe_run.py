@@ -8,7 +8,7 @@ import torch
 from birkhoff.model.moe import MoEFeedForward
 from birkhoff.presets import get_preset
 from birkhoff.rl.loop import GRPORun
-from birkhoff.runtime.metrics import MOE_PANEL, PANELS, plot_run
+from birkhoff.runtime.plots import MOE_PANEL, PANELS, plot_run
 
 MOE_KEYS = ("moe_max_load", "moe_mean_load", "moe_max_over_mean", "moe_rerouted_fraction",
             "moe_balance_loss")  # fmt: skip

@@ -59,6 +59,9 @@ def prepare_out_dir(
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by the jobs that train (`train`, `run`)."""
+    parser.add_argument("--log", action="append", default=[], choices=("tensorboard", "wandb"),
+                        help="also log to TensorBoard (OUT/tensorboard) or W&B; repeatable; "
+                        "metrics.jsonl is always written")  # fmt: skip
     parser.add_argument(
         "--device",
         default="auto",
@@ -127,6 +130,32 @@ def is_main() -> bool:
     from birkhoff.runtime.distributed import current
 
     return current().is_main
+
+
+def open_trackers(args: argparse.Namespace, out: Path, config: Any, *, resume_step: int | None
+                  ) -> list[Any]:  # fmt: skip
+    """The trackers of `--log` on rank 0 (none elsewhere): runtime.tracking."""
+    from birkhoff.overrides import as_settings
+    from birkhoff.runtime.tracking import open_trackers as open_all
+
+    if not args.log or not is_main():
+        return []
+    try:
+        return open_all(args.log, out, name=str(out), config=as_settings(config),
+                        resume_step=resume_step)  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def check_trackers(args: argparse.Namespace) -> None:
+    """A missing tracker package is a usage error before anything runs."""
+    from birkhoff.runtime.tracking import import_optional
+
+    for name in args.log:
+        try:
+            import_optional(name, name)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
 
 
 def set_threads(device: str, threads: int | None) -> None:

@@ -16,7 +16,9 @@ from birkhoff.cli.common import (
     RunFailed,
     UsageError,
     add_job_arguments,
+    check_trackers,
     is_main,
+    open_trackers,
     prepare_on_main,
     set_threads,
     start_job,
@@ -66,8 +68,10 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
     """The preset of `birkhoff run`'s flags and GRPORun's keyword arguments (run_inputs)."""
     from birkhoff.rl.inputs import run_inputs
 
+    preset = run_preset(args)
     return run_inputs(
-        run_preset(args),
+        preset,
+        out=args.out or Path("runs") / preset.name,
         init=args.init,
         data=args.data,
         verifier=args.verifier,
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from err
     out = args.out or Path("runs") / preset.name
     assert preset.rl is not None
+    check_trackers(args)
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
     if args.resume:
         if not (out / "checkpoint").is_dir():
@@ -132,7 +137,7 @@ def run_grpo(
     """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.checkpoint import CheckpointError
-    from birkhoff.runtime.metrics import plot_run
+    from birkhoff.runtime.plots import plot_run
     from birkhoff.runtime.stop import exit_code, resume_command
     from birkhoff.tasks.guard import VerifierFailureError
     from birkhoff.train.step import NonFiniteError
@@ -151,12 +156,16 @@ def run_grpo(
             print(resume_line(grpo, out))
         if grpo.step == grpo.total_steps:
             return 0
+    grpo.log.trackers = open_trackers(args, out, preset,
+                                      resume_step=grpo.step if args.resume else None)  # fmt: skip
     try:
         grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
         raise UsageError(f"run stopped at step {grpo.step}: {err}") from err
     except NonFiniteError as err:
         raise RunFailed(f"run stopped: {err}") from err
+    finally:
+        grpo.log.close()
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:

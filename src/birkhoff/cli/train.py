@@ -9,7 +9,9 @@ from birkhoff.cli.common import (
     RunFailed,
     UsageError,
     add_job_arguments,
+    check_trackers,
     is_main,
+    open_trackers,
     prepare_on_main,
     resolve_device,
     set_threads,
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
             f"preset {preset.name!r} trains with bf16 autocast, which needs CUDA; "
             f"--device is {resolve_device(args.device)}"
         )
+    check_trackers(args)
     device = start_job(args, preset, num_items=train.batch_size, what="batch_size")
     prepare_on_main(args.out, overwrite=args.overwrite, outputs=("metrics.jsonl", "checkpoint"))
 
@@ -63,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         summary = run_training(preset.model, train, task, args.out, device=torch.device(device),
-                               progress=not args.no_progress, name=preset.name,
-                               extra=extra)  # fmt: skip
+                               progress=not args.no_progress, name=preset.name, extra=extra,
+                               trackers=open_trackers(args, args.out, preset,
+                                                      resume_step=None))  # fmt: skip
     except NonFiniteError as err:
         raise RunFailed(f"training stopped: {err}") from err
     if is_main():

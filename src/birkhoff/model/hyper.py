@@ -186,7 +186,10 @@ def mix_out(
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD.to(dtype))
+        # contiguous: the first sublayer's streams are the expanded embedding, whose zero
+        # stride sends the CPU bmm down a loop of one small matmul per token (same values)
+        x_BTSD = x_BTSD.to(dtype).contiguous()
+        residual_BTSD = torch.einsum("btjk,btjd->btkd", h_res_BTSS.to(dtype), x_BTSD)
         y_BTSD = residual_BTSD + h_post_BTS.to(dtype)[..., None] * f_BTD.to(dtype)[:, :, None, :]
     return y_BTSD.to(out)
 

@@ -1,9 +1,12 @@
-"""The one metrics log of every job: metrics.jsonl, memory figures, the run's PNG plots.
+"""The one metrics log of every job: metrics.jsonl and the memory figures.
 
 Each line of metrics.jsonl is one JSON object with `step` and `phase` ("sft" | "grpo" | "eval"),
 written by `birkhoff train` and `birkhoff run` alike, flushed and fsynced as written, so a crashed
-run keeps its history. Timing (`*_s`, `*_gb_s`) and memory (`mem_*`) keys vary between runs;
-every other value is deterministic on CPU for a fixed seed, which the resume test relies on.
+run keeps its history. Every row is stamped with `timestamp` (UTC, ISO 8601) and `elapsed_s`
+(seconds of run time: a resumed run goes on from the last kept row's figure, the time it was
+stopped not counted). Those, timing (`*_s`, `*_gb_s`) and memory (`mem_*`) keys vary between
+runs; every other value is deterministic on CPU for a fixed seed, which the resume tests rely on.
+Trackers (runtime/tracking.py: TensorBoard, W&B) get each row as written; the plot is plots.py.
 """
 
 from __future__ import annotations
@@ -11,12 +14,18 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from birkhoff.runtime.checkpoint import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from birkhoff.runtime.tracking import Tracker
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -44,16 +53,28 @@ class MetricsLog:
     display.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(
+        self, path: Path, *, trackers: Sequence[Tracker] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
+        self.path, self.trackers, self.clock = path, list(trackers), clock
         self.last: dict[str, Any] = {}
+        self.started, self.elapsed_before = clock(), 0.0
 
     def append(self, row: dict[str, Any]) -> None:
+        """Write `row`, stamped with the time, and hand it to the trackers."""
+        now = self.clock()
+        row = row | {
+            "timestamp": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds"),
+            "elapsed_s": round(self.elapsed_before + now - self.started, 3),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        for tracker in self.trackers:
+            tracker.log(row)
         floats = {k: v for k, v in row.items() if isinstance(v, float)}
         if row.get("phase") != "eval":  # keep the latest eval, drop the other phase's keys
             self.last = {k: v for k, v in self.last.items() if k.startswith("eval_")}
@@ -71,54 +92,15 @@ class MetricsLog:
         kept = [r for r in self.rows() if r["step"] < step + (r.get("phase") == "eval")]
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
         atomic_write_bytes(self.path, text.encode())
+        self.started = self.clock()  # run time goes on from the last kept row's
+        self.elapsed_before = float(kept[-1].get("elapsed_s", 0.0)) if kept else 0.0
+
+    def close(self) -> None:
+        """Close the trackers (metrics.jsonl itself is closed after every row)."""
+        for tracker in self.trackers:
+            tracker.close()
 
     def postfix(self) -> dict[str, str]:
         """The figures the progress display shows, three decimals each."""
         keys = ("main_loss", "mtp_loss", "seq_acc", "reward", "eval_reward", "accept_1")
         return {k: f"{self.last[k]:.3f}" for k in keys if k in self.last}
-
-
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward", "eval_sampled_reward", "eval_reward")),
-    ("loss", ("main_loss", "policy_loss", "mtp_loss")),
-    ("MTP acceptance", ("accept_1", "accept_2", "accept_3", "eval_accept_1")),
-    (
-        "peak memory, MiB (CUDA: allocated, reserved; CPU: process RSS)",
-        ("mem_peak_mib", "mem_reserved_mib"),
-    ),
-    ("seconds per step", ("generate_s", "train_s", "refit_s")),
-)
-
-
-# only for runs that logged it (MoE models)
-MOE_PANEL = ("MoE expert load", ("moe_max_over_mean", "moe_rerouted_fraction"))
-
-
-def plot_run(metrics_path: Path, out_png: Path) -> Path:
-    """One PNG with a panel per concern: reward, losses, acceptance, memory, time per stage,
-    and the expert load of MoE runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = MetricsLog(metrics_path).rows()
-    panels = PANELS + ((MOE_PANEL,) if any("moe_max_over_mean" in r for r in rows) else ())
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True)
-    for ax, (title, keys) in zip(axes, panels, strict=True):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), label=key, marker="." if len(pts) < 40 else "")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    axes[-1].set_xlabel("step (warm-up, then GRPO)")
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(out_png)
-    return out_png

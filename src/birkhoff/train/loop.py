@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -57,6 +58,9 @@ from birkhoff.train.step import (
     supervised_loss,
     train_step,
 )
+
+if TYPE_CHECKING:
+    from birkhoff.runtime.tracking import Tracker
 
 NUM_EVAL_PROBLEMS = 256
 
@@ -118,6 +122,7 @@ def run_training(
     progress: bool = True,
     name: str = "train",
     extra: dict[str, Any] | None = None,
+    trackers: Sequence[Tracker] = (),
 ) -> TrainSummary:
     """Train a fresh `model_cfg` model on `task`; write metrics.jsonl and checkpoint/ under
     `out_dir`. `name` labels the progress bar; `extra` goes into the checkpoint's metadata."""
@@ -133,17 +138,18 @@ def run_training(
     eval_before = teacher_forced_accuracy(model, held_out, tokenizer)
     if ctx.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    log, history, start = MetricsLog(out_dir / "metrics.jsonl"), [], time.perf_counter()
+    log, history = MetricsLog(out_dir / "metrics.jsonl", trackers=trackers), []
     rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
     enabled, skips = progress and ctx.is_main, SkipCounter(cfg.max_skipped_in_row)
-    with Progress(total=cfg.num_steps, desc=f"train {name}", enabled=enabled) as bar:
+    bar = Progress(total=cfg.num_steps, desc=f"train {name}", enabled=enabled)
+    with bar, closing(log):  # the trackers too
         for row in rows:
             history.append(row)
             step = row["step"]
             skips.count(row)
             due = step % cfg.log_every == 0 or step == cfg.num_steps - 1 or row["skipped"]
             if ctx.is_main and due:
-                log.append(row | {"elapsed_s": round(time.perf_counter() - start, 3)})
+                log.append(row)
             bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
                         if k in row})  # fmt: skip
             skips.check(step, checkpoint=out_dir / "checkpoint", checkpoint_step=None)
