@@ -44,7 +44,7 @@ def test_eval_of_a_run_checkpoint_repeats_the_runs_eval_row(tmp_path: Path, caps
     printed = capsys.readouterr().out
     assert "pass@1_greedy" in printed and "outputs:" in printed
     figures = json.loads((run / "eval" / "figures.json").read_text())
-    for key in ("eval_reward", "eval_sampled_reward", "eval_accept_1", "eval_accept_2"):
+    for key in ("eval_reward", "eval_sampled_reward", "eval_accept_1"):
         assert figures[key] == last_eval[key], key
     assert figures["num_problems"] == 16 and figures["samples"] == 8 and figures["seed"] == 0
     lines = (run / "eval" / "completions.jsonl").read_text().splitlines()

@@ -68,8 +68,10 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
     """The preset of `birkhoff run`'s flags and GRPORun's keyword arguments (run_inputs)."""
     from birkhoff.rl.inputs import run_inputs
 
+    preset = run_preset(args)
     return run_inputs(
-        run_preset(args),
+        preset,
+        out=args.out or Path("runs") / preset.name,
         init=args.init,
         data=args.data,
         verifier=args.verifier,

@@ -49,6 +49,7 @@ from birkhoff.rl.advantage import group_advantages
 from birkhoff.rl.config import RLConfig
 from birkhoff.rl.evaluate import eval_metrics, evaluate
 from birkhoff.rl.loss import grpo_loss
+from birkhoff.rl.mtp_warmup import self_distill_steps
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -147,6 +148,11 @@ class GRPORun:
         if self.dist.enabled and self.rl.loss.kl_weight > 0:
             raise ValueError(f"kl_weight={self.rl.loss.kl_weight}: the KL reference is not "
                              "supported under torchrun; use kl_weight=0")  # fmt: skip
+        if self.dist.enabled and self.rl.warmup == "mtp-self-distill":
+            raise ValueError(
+                "warmup='mtp-self-distill' is not supported under torchrun: it freezes the main "
+                "model, which FSDP2 shards"
+            )
         self.out = Path(out_dir)
         self.tokenizer: Tokenizer = CharTokenizer() if tokenizer is None else tokenizer
         self.task: Task = get_task(preset.task, **preset.task_options) if task is None else task
@@ -195,8 +201,21 @@ class GRPORun:
         # the warm-up's lr schedule spans the warm-up, not the preset's supervised run length
         cfg = self.preset.train.replace(num_steps=max(self.rl.warmup_steps, 1))
         steps = range(self.step, self.rl.warmup_steps)
-        yield from supervised_steps(self.model, self.optimizer, self.task, self.tokenizer, cfg,
-                                    steps=steps)  # fmt: skip
+        if self.rl.warmup == "mtp-self-distill":
+            yield from self_distill_steps(
+                self.model,
+                self.optimizer,
+                self.engine,
+                self.task,
+                self.tokenizer,
+                cfg,
+                self.rl,
+                steps=steps,
+            )
+        else:
+            yield from supervised_steps(
+                self.model, self.optimizer, self.task, self.tokenizer, cfg, steps=steps
+            )
         while True:
             yield self.grpo_step()
 
