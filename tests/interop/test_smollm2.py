@@ -29,7 +29,7 @@ from birkhoff.engine import Engine, SamplingParams
 from birkhoff.interop.tokenizer import HFTokenizer
 from birkhoff.model.transformer import Transformer
 from birkhoff.presets import Preset, get_preset
-from birkhoff.rl.inputs import run_inputs
+from birkhoff.rl.inputs import checkpoint_config, run_inputs
 from birkhoff.rl.loop import GRPORun
 from birkhoff.runtime.checkpoint import load_checkpoint
 
@@ -44,14 +44,27 @@ TEXTS = [
 ]
 
 
+class Models(dict[str, Transformer]):
+    """The imported models by variant name, each loaded when first asked for (one worker
+    running one test loads one model, not all)."""
+
+    def __init__(self, dirs: dict[str, Path]) -> None:
+        super().__init__()
+        self.dirs = dirs
+
+    def __missing__(self, name: str) -> Transformer:
+        self[name] = load_checkpoint(self.dirs[name]).model.eval()
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return imported_dirs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def models(dirs: dict[str, Path]) -> dict[str, Transformer]:
-    return {name: load_checkpoint(path).model.eval() for name, path in dirs.items()}
+def models(dirs: dict[str, Path]) -> Models:
+    return Models(dirs)
 
 
 @pytest.fixture(scope="session")
@@ -82,22 +95,14 @@ def test_the_file_is_the_pinned_one() -> None:
     assert digest == SHA256
 
 
-def test_config_and_tokenizer(
-    dirs: dict[str, Path], models: dict[str, Transformer], tok: HFTokenizer
-) -> None:
-    cfg = models["dense"].cfg
-    assert (cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads, cfg.kv_heads) == (
-        49152,
-        576,
-        30,
-        9,
-        3,
-    )
-    assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.ffn_dim == 1536
-    up = models["upcycled"].cfg
-    assert (up.num_streams, up.mtp_depth) == (4, 1) and up.replace(
-        num_streams=1, mtp_depth=0
-    ) == cfg
+def test_config_and_tokenizer(dirs: dict[str, Path], tok: HFTokenizer) -> None:
+    cfg = checkpoint_config(dirs["dense"])
+    shape = (cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim)
+    assert shape == (49152, 576, 30, 9, 3, 1536)
+    assert cfg.tie_embeddings and cfg.rope_theta == 1e5
+    up = checkpoint_config(dirs["upcycled"])
+    assert (up.num_streams, up.mtp_depth) == (4, 1)
+    assert up.replace(num_streams=1, mtp_depth=0) == cfg
     assert tok.vocab_size == 49152 and tok.chat_template is not None
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_ids) == (1, 2, 2, (2,))
     plain = HFTokenizer.from_dir(dirs["dense"])
@@ -121,7 +126,7 @@ def test_tokenizer_ids_equal_transformers(tok: HFTokenizer, ref_tok: Any) -> Non
 
 @pytest.mark.parametrize("variant", ["dense", "upcycled"])
 def test_logits_equal_transformers(
-    variant: str, models: dict[str, Transformer], ref_model: Any, ref_tok: Any
+    variant: str, models: Models, ref_model: Any, ref_tok: Any
 ) -> None:
     ids = [i for q in QUESTIONS for i in chat_ids(ref_tok, q)]  # one sequence of three turns
     ids_BT = torch.tensor([ids])
@@ -143,7 +148,7 @@ def trainer_greedy(model: Transformer, prompt: list[int], num_tokens: int) -> li
 
 
 def test_greedy_chat_continuations(
-    models: dict[str, Transformer], tok: HFTokenizer, ref_model: Any, ref_tok: Any
+    models: Models, tok: HFTokenizer, ref_model: Any, ref_tok: Any
 ) -> None:
     """transformers' greedy generate, the fp32 engine (dense; upcycled with and without MTP
     drafts) and the trainer's forward continue every chat prompt with the same tokens."""
@@ -190,10 +195,10 @@ def shrunk(preset: Preset) -> Preset:
     return apply(preset, [Override(k, str(v), k) for k, v in SHRUNK.items()])
 
 
-def test_preset_model_is_the_imported_one(models: dict[str, Transformer]) -> None:
+def test_preset_model_is_the_imported_one(dirs: dict[str, Path]) -> None:
     for name, variant in (("smollm2-grpo", "upcycled"), ("smollm2-grpo-dense", "dense")):
         model = get_preset(name).model
-        assert model == models[variant].cfg.replace(max_seq_len=model.max_seq_len)
+        assert model == checkpoint_config(dirs[variant]).replace(max_seq_len=model.max_seq_len)
 
 
 def test_one_grpo_step_on_the_dense_import(dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -210,6 +215,7 @@ def test_one_grpo_step_on_the_dense_import(dirs: dict[str, Path], tmp_path: Path
     assert 0 <= grpo["reward"] <= 1
 
 
+@pytest.mark.slow
 def test_smollm2_grpo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`birkhoff run --preset smollm2-grpo` shrunk: the GGUF imported into OUT/init (S=4, M=1),
     one MTP self-distillation step, one GRPO step, evaluations, checkpoint, plot."""
