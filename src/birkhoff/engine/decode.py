@@ -84,11 +84,22 @@ class Generation:
     """The state of one generate call: requests over cache rows, steps until all are done."""
 
     def __init__(
-        self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
-        drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
-        prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
-        kernels: str, detokenize: Detokenize | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        cfg: ModelConfig,
+        weights: Weights,
+        steps: Steps,
+        cache: KVCache,
+        drafter: DrafterState | None,
+        rows: RowState,
+        rope: tuple[Tensor, Tensor],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        max_seq_len: int,
+        seed: int,
+        kernels: str,
+        detokenize: Detokenize | None = None,
+    ) -> None:
         self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
         self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
@@ -209,9 +220,13 @@ class Generation:
         rows_A = to_device(rows, self.device)
         self.tokens_BN[rows_A, : tokens_AT.shape[1]] = to_device(tokens_AT, self.device)
         out_A2 = self.steps.run(
-            prefill_step, self.context(rows), rows, [lengths, [1] * len(rows)], max(lengths),
+            prefill_step,
+            self.context(rows),
+            rows,
+            [lengths, [1] * len(rows)],
+            max(lengths),
             max_graph_tokens=PREFILL_GRAPH_TOKENS,
-        )  # fmt: skip
+        )
         for i, (tok, lp) in zip(rows, out_A2.tolist(), strict=True):
             self.emit(i, [int(tok)], [lp])
         if self.drafter is not None:  # speculative (num_drafts > 0)
@@ -232,9 +247,13 @@ class Generation:
         if longest >= 1:
             state = [[self.n[i] for i in rows], [1] * len(rows)]
             self.steps.run(
-                catch_up_step, self.context(rows), rows, state, longest,
+                catch_up_step,
+                self.context(rows),
+                rows,
+                state,
+                longest,
                 max_graph_tokens=PREFILL_GRAPH_TOKENS,
-            )  # fmt: skip
+            )
 
     def queue_plain_step(self, rows: list[int]) -> QueuedStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""

@@ -86,10 +86,15 @@ class ArithmeticWordsTask:
     name = "arithmetic-words"
 
     def __init__(
-        self, *, difficulty: str = "medium", num_digits: int | None = None,
-        num_terms: int | None = None, ops: str | None = None, style: str = "chat",
+        self,
+        *,
+        difficulty: str = "medium",
+        num_digits: int | None = None,
+        num_terms: int | None = None,
+        ops: str | None = None,
+        style: str = "chat",
         format_weight: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_style(style)
         if difficulty not in LEVELS:
             raise ValueError(f"difficulty={difficulty!r} is invalid: one of {sorted(LEVELS)}")
@@ -133,8 +138,7 @@ class ArithmeticWordsTask:
         if self.style == "compact":
             return Problem(f"what is {words}?", answer)
         rule = " (times and divided by before plus and minus)" if self.num_terms > 2 else ""
-        prompt = (f"What is {words}?{rule} Give the final answer as a number in "
-                  f"{OPEN} {CLOSE} tags.")  # fmt: skip
+        prompt = f"What is {words}?{rule} Give the final answer as a number in {OPEN} {CLOSE} tags."
         return Problem(prompt, f"{OPEN}{answer}{CLOSE}")
 
     def reward(self, problem: Problem, completion: str) -> float:

@@ -215,10 +215,16 @@ class CountdownTask:
     name = "countdown"
 
     def __init__(
-        self, *, num_numbers: int = 4, max_number: int = 100, max_target: int = 100,
-        ops: str | None = None, style: str = "chat", use_all: bool = True,
+        self,
+        *,
+        num_numbers: int = 4,
+        max_number: int = 100,
+        max_target: int = 100,
+        ops: str | None = None,
+        style: str = "chat",
+        use_all: bool = True,
         format_weight: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_style(style)
         ops = ops if ops is not None else ("+-*/" if style == "chat" else "+-*")
         if not 2 <= num_numbers <= 6:
@@ -234,11 +240,17 @@ class CountdownTask:
         self.stop: tuple[str, ...] = (CLOSE,) if style == "chat" else ()
 
     def sample(self, rng: random.Random) -> Problem:
-        inst = generate(rng, num_numbers=self.num_numbers, max_number=self.max_number,
-                        max_target=self.max_target, ops=self.ops)  # fmt: skip
+        inst = generate(
+            rng,
+            num_numbers=self.num_numbers,
+            max_number=self.max_number,
+            max_target=self.max_target,
+            ops=self.ops,
+        )
         if self.style == "compact":
-            return Problem(f"countdown {','.join(map(str, inst.numbers))} to {inst.target}:",
-                           inst.solution)  # fmt: skip
+            return Problem(
+                f"countdown {','.join(map(str, inst.numbers))} to {inst.target}:", inst.solution
+            )
         rule = "exactly once" if self.use_all else "at most once"
         ops = ", ".join(self.ops)
         prompt = (

@@ -99,9 +99,13 @@ class GuardedVerifier:
     """A verifier whose failures (exceptions, timeouts) score 0 and are counted."""
 
     def __init__(
-        self, inner: Scorer, *, timeout_s: float = TIMEOUT_S,
-        max_failure_rate: float = MAX_FAILURE_RATE, min_calls: int = MIN_CALLS,
-    ) -> None:  # fmt: skip
+        self,
+        inner: Scorer,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        max_failure_rate: float = MAX_FAILURE_RATE,
+        min_calls: int = MIN_CALLS,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be > 0")
         if not 0 <= max_failure_rate <= 1:
@@ -134,8 +138,12 @@ class GuardedVerifier:
         """Log the first failure of each kind; stop once failures exceed the allowed rate."""
         if kind not in self.first:
             self.first[kind] = detail.splitlines()[-1]
-            log.warning("verifier %s failed (%s; scored 0, logged once per kind):\n%s",
-                        self.name, kind, detail)  # fmt: skip
+            log.warning(
+                "verifier %s failed (%s; scored 0, logged once per kind):\n%s",
+                self.name,
+                kind,
+                detail,
+            )
         failures = self.num_errors + self.num_timeouts
         if self.num_calls >= self.min_calls and failures > self.max_failure_rate * self.num_calls:
             kinds = "; ".join(f"{k}: {v}" for k, v in self.first.items())
@@ -148,5 +156,8 @@ class GuardedVerifier:
 
     def counts(self) -> dict[str, int]:
         """Calls, errors and timeouts so far."""
-        return {"verifier_calls": self.num_calls, "verifier_errors": self.num_errors,
-                "verifier_timeouts": self.num_timeouts}  # fmt: skip
+        return {
+            "verifier_calls": self.num_calls,
+            "verifier_errors": self.num_errors,
+            "verifier_timeouts": self.num_timeouts,
+        }

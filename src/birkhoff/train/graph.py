@@ -101,8 +101,9 @@ def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
     def check(batch: tuple[Tensor, ...]) -> None:
         for name, x in zip(field_names(batch), batch, strict=True):
             if x.dtype in (torch.int32, torch.int64):
-                check_token_ids(x, name=name, vocab_size=cfg.vocab_size,
-                                max_seq_len=cfg.max_seq_len)  # fmt: skip
+                check_token_ids(
+                    x, name=name, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len
+                )
 
     return check
 
