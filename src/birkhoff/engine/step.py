@@ -3,27 +3,12 @@
 Legend: A rows of a step, J drafts per step, T tokens of a chunk (plain: 1; verify: J+1),
 V vocab, S streams, D model dim, B cache rows, N cache positions.
 
-A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
-sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`prefill_step`: prompt length and a live flag; `plain_step`, and `catch_up_step` (a new
-request's draft depths over its prompt): pending position n and a live flag;
-`speculative_step`: the live flag only, as it reads each row's pending position n and each
-draft depth's first position to recompute from the device (`RowState.n_B`,
-`DrafterState.valid_JB`) and advances both itself, so the host can queue the next speculative
-step before it has read this one's result). It builds its chunk, runs the model, samples,
-writes the tokens it produced into `tokens_BN` and returns one fp64 result row per row
-(catch-up: the positions depth 1 ran), so it has static shapes and no host sync: graphs.py
-replays it as one CUDA graph; eagerly it is the reference. Rows that hold no request (the
-padding of a graph's batch bucket; in a prefill, every row not being admitted) are not live:
-they read and write only the trash slot and their results are dropped.
-
-Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
-first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
-`Generation.catch_up_drafter` runs a new request's depths over its prompt first), padding the
-rest onto the trash slot (eager steps may run each depth only as long as its longest row:
-`StepContext.draft_lengths`); verify runs the main model on [t_n, d_1..d_J] at positions n..n+J;
-speculative.accept_drafts decides. Sampling is sampling.py's; every draw is keyed by the row's
-request, the pending position and a tag (rng.py), so a step's randomness is batch-independent.
+A step is a pure function of persistent tensors (`StepContext`: weights, caches, the rows'
+tokens, keys and sampling parameters) and a small per-row state tensor the host writes: it
+builds its chunk, runs the model, samples, writes its tokens into `tokens_BN` and returns one
+fp64 result row per row, with static shapes and no host sync, so graphs.py replays it as one
+CUDA graph (eagerly it is the reference). Rows that hold no request touch only the trash slot.
+What each step reads and advances, and the speculative step's draft lengths: docs/engine.md.
 """
 
 from __future__ import annotations
