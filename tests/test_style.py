@@ -1,9 +1,6 @@
 """Line-level rules of STYLE.md that a lint can check: no `# fmt: skip` outside tables of numbers
 (rule 5: accept the formatter's output), and no device timings in source (measurements live in
 docs/results.md and docs/log/).
-
-PENDING names the paths (prefixes of paths under src/birkhoff/) not checked yet; it only
-shrinks, and a path leaves it once its files pass.
 """
 
 import re
@@ -13,14 +10,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "birkhoff"
 
 # files with `# fmt: skip` on tables of numbers (allowed for good)
 NUMBER_TABLES: tuple[str, ...] = ()
-# still to be cleaned: files other work has open
-PENDING = (
-    "train/step.py",
-    "train/loop.py",
-    "runtime/",
-    "rl/loop.py",
-)
-
 FMT_SKIP = re.compile(r"#\s*fmt:\s*skip")
 DEVICE = re.compile(r"\b[HAB]\d00\b|\bGH200\b|\bGB200\b")
 TIMING = re.compile(r"\d\s*(us|µs|ms|TB/s|GB/s|TFLOP/s)\b")
@@ -37,7 +26,7 @@ def test_no_fmt_skip_outside_number_tables():
     found = {
         f"{name}:{i}"
         for name, lines in source_files().items()
-        if not name.startswith(NUMBER_TABLES + PENDING)
+        if not name.startswith(NUMBER_TABLES)
         for i, line in enumerate(lines, 1)
         if FMT_SKIP.search(line)
     }
@@ -48,7 +37,6 @@ def test_no_device_timings_in_source():
     found = {
         f"{name}:{i}"
         for name, lines in source_files().items()
-        if not name.startswith(PENDING)
         for i, line in enumerate(lines, 1)
         if DEVICE.search(line) and TIMING.search(line)
     }
