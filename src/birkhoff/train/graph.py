@@ -77,8 +77,8 @@ WeightSlots = list[tuple[Mapping[str, Tensor | None], str]]
 
 def weight_slots(model: nn.Module) -> WeightSlots:
     """Where each parameter and buffer of `model` is registered: (its module's `_parameters`
-    or `_buffers` dict, its name). Built once: walking the modules costs ~1 ms a call at
-    h200-small's size, reading these slots ~0.05 ms."""
+    or `_buffers` dict, its name). Built once: walking the modules on every call costs far
+    more than reading these slots (docs/training.md)."""
     return [
         (registry, name)
         for module in model.modules()
