@@ -183,6 +183,13 @@ SECTIONS = [
                 ),
             ),
             Figure(
+                "smollm2-grpo: rollout completion tokens/s / mean completion tokens",
+                "run-smollm2-grpo-tokens-cuda.jsonl",
+                joined(
+                    grpo_median("rollout_tok_s", ",.0f"), grpo_median("completion_tokens", ".1f")
+                ),
+            ),
+            Figure(
                 "smollm2-grpo: draft-1 acceptance in rollouts (median GRPO step)",
                 "run-smollm2-grpo-cuda.jsonl",
                 grpo_median("accept_1", ".2f"),
@@ -259,6 +266,13 @@ SECTIONS = [
                 "birkhoff run --preset smollm2-grpo --device cuda --out /tmp/smollm2-grpo",
                 "NVIDIA H100 80GB HBM3 (shared with the dense run)",
                 "d4c2abc",
+            ),
+            Run(
+                "run-smollm2-grpo-tokens-cuda.jsonl",
+                "birkhoff run --preset smollm2-grpo --device cuda --out /tmp/s4 (stopped by "
+                "SIGTERM at step 78: 58 GRPO steps)",
+                "NVIDIA H100 80GB HBM3",
+                "ea904fe",
             ),
             Run(
                 "run-smollm2-grpo-dense-cuda.jsonl",
