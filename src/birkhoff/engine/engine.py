@@ -41,6 +41,7 @@ from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
 from birkhoff.engine.stop import Detokenize
 from birkhoff.kernels import use_fused
+from birkhoff.kernels.mhc import served_phi
 from birkhoff.model.layers import rope_tables
 
 
@@ -166,8 +167,6 @@ class Engine:
         graphs captured on it stay valid."""
         if not (name.endswith(".phi") and use_fused(tensor, self.kernels)):
             return tensor
-        from birkhoff.kernels.mhc import served_phi
-
         pairs = self._phi_buffers.setdefault(name, [])
         for source, buffer in pairs:
             if source is tensor and self.weights.get(name) is not buffer:

@@ -33,7 +33,9 @@ from birkhoff.engine.layout import (
 )
 from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
-from birkhoff.kernels import use_fused
+from birkhoff.kernels import mhc, use_fused
+from birkhoff.kernels.attention import decode_attention_rope
+from birkhoff.kernels.norm_rope import rope_cache
 from birkhoff.model.hyper import (
     contract,
     expand_streams,
@@ -111,8 +113,6 @@ def attention(
         k_ATGK = rms_norm(k_ATGK, a.k_norm, cfg.norm_eps, kernels=kernels)
     fused, v_ATGK = use_fused(q_ATHK, kernels), v.view(A, T, G, K)
     if fused and T * (H // G) <= DECODE_QUERIES:  # rope, cache write, attention: one launch
-        from birkhoff.kernels.attention import decode_attention_rope
-
         k_BGNK, v_BGNK = cache.read(layer, chunk.limit)
         out_ATHK = decode_attention_rope(
             q_ATHK,
@@ -145,8 +145,6 @@ def rope_and_attend(
     GQA through SDPA's enable_gqa): chunks beyond decode size (prefills), or eager."""
     H, G = q_ATHK.shape[2], k_ATGK.shape[2]
     if fused:  # one launch: rope of q and k, k and v into the cache
-        from birkhoff.kernels.norm_rope import rope_cache
-
         k_BGNK, v_BGNK = cache.layer(layer)
         q_ATHK = rope_cache(
             q_ATHK,
@@ -200,10 +198,10 @@ def hyper(
 ) -> tuple[Tensor, Proj]:
     """One mHC-wrapped sublayer F(RMSNorm(.) * norm) (S = 1: the plain residual), and the
     projection partials of its output for the hyper-connection `next_hc` that reads it next.
-    With fused kernels the coefficients, mix in and norm are `mhc_entry.hyper_entry` (from
+    With fused kernels the coefficients, mix in and norm are `mhc.hyper_entry` (from
     `proj` where the previous mix out made it), whose H_post and H_res (the Sinkhorn) run on a
     side stream beside F, joined before mix out; mix out also projects the new streams for
-    `next_hc` (`mhc_entry.mix_out_proj`). Elsewhere no partials."""
+    `next_hc` (`mhc.mix_out_proj`). Elsewhere no partials."""
 
     def normed(h_ATD: Tensor) -> Tensor:
         return sublayer(rms_norm(h_ATD, norm_D, cfg.norm_eps, kernels=kernels))
@@ -224,11 +222,8 @@ def hyper(
             kernels="eager",
         )
         return y_ATSD, None
-    from birkhoff.kernels import mhc
-    from birkhoff.kernels.mhc import entry as mhc_entry
-
     side = side_stream(x_ATSD.device)
-    x_ATSD, y_ATD, post, res, read = mhc_entry.hyper_entry(
+    x_ATSD, y_ATD, post, res, read = mhc.hyper_entry(
         x_ATSD,
         hc.phi,
         hc.alpha,
@@ -247,7 +242,7 @@ def hyper(
     del read  # what the side stream reads is freed only after the join
     if next_hc is None:
         return mhc.mix_out(x_ATSD, f_ATD, post, res), None
-    x_ATSD, part, sq = mhc_entry.mix_out_proj(x_ATSD, f_ATD, post, res, next_hc.phi)
+    x_ATSD, part, sq = mhc.mix_out_proj(x_ATSD, f_ATD, post, res, next_hc.phi)
     return x_ATSD, (part, sq)
 
 
@@ -296,9 +291,7 @@ def contract_norm(
     if c is None:
         return rms_norm(single_stream(x_ATSD), head.norm, cfg.norm_eps, kernels=kernels)
     if use_fused(x_ATSD, kernels):
-        from birkhoff.kernels.mhc import entry as mhc_entry
-
-        return mhc_entry.contract_norm(
+        return mhc.contract_norm(
             x_ATSD,
             c.phi,
             c.alpha,

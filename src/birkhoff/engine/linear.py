@@ -16,7 +16,7 @@ from torch import Tensor
 
 from birkhoff.engine.fp8 import FP8_BLOCK, dequantize_fp8_blockwise
 from birkhoff.engine.layout import Linear
-from birkhoff.kernels import fp8_matmul, use_fused
+from birkhoff.kernels import fp8_matmul, gemv, use_fused
 
 
 def weight(lin: Linear[Tensor], dtype: torch.dtype) -> Tensor:
@@ -31,11 +31,9 @@ def linear(x: Tensor, lin: Linear[Tensor], *, kernels: str = "eager") -> Tensor:
     biases are never quantized). `kernels` (`birkhoff.kernels.use_fused`): a few rows may go to
     the fused `kernels.gemv`."""
     w, b, scale_inv = lin.weight, lin.bias, lin.scale_inv
-    if use_fused(x, kernels) and w.stride(-1) == 1:
-        from birkhoff.kernels import gemv
-
-        if gemv.serves(x.numel() // x.shape[-1], *w.shape):
-            return gemv.gemv(x, w, b, scale_inv, FP8_BLOCK)  # type: ignore[no-any-return]
+    rows = x.numel() // x.shape[-1]
+    if use_fused(x, kernels) and w.stride(-1) == 1 and gemv.serves(rows, *w.shape):
+        return gemv.gemv(x, w, b, scale_inv, FP8_BLOCK)  # type: ignore[no-any-return]
     if scale_inv is None:
         return F.linear(x, w, b)
     if fp8_matmul.supported(x):

@@ -67,14 +67,14 @@ def check_device(*tensors: Tensor) -> None:
     device under the Triton interpreter)."""
     for t in tensors:
         if not t.is_cuda and not INTERPRET:
-            raise ValueError(f"mhc_kernels='triton': device={t.device} needs CUDA")
+            raise ValueError(f"kernels='triton': device={t.device} needs CUDA")
 
 
 def check_inputs(*tensors: Tensor) -> None:
     """Raise ValueError unless the fused kernels can run on these tensors."""
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"mhc_kernels='triton': dtype={t.dtype} is not fp32/bf16/fp16")
+            raise ValueError(f"kernels='triton': dtype={t.dtype} is not fp32/bf16/fp16")
         check_device(t)
 
 

@@ -47,7 +47,7 @@ def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
 
     The normalisations run with the matrix entries leading ([S, S, N], N = every leading index,
     `SinkhornSteps`): each sum and division is then a few ops on contiguous length-N vectors
-    instead of ops over many S-wide rows, ~10x faster on CPU for the [B,T,4,4] of a layer, and
+    instead of ops over many S-wide rows, much faster on CPU (docs/mhc.md), and
     a sum over S entries adds them in order, as the row-major form does for S <= 4 (equal to
     the last bit there; for larger S the two may round differently).
     """
@@ -116,8 +116,8 @@ def mhc_coefficients(
     kernels: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(H_pre [B,T,S], H_post [B,T,S], H_res [B,T,S,S]) in >= fp32 (C = S*D)."""
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.mhc_coefficients(
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.mhc_coefficients(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
     B, T, S, D = x_BTSD.shape
@@ -136,8 +136,8 @@ def mhc_coefficients(
 
 def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tensor:
     """Sublayer input: sum_j H_pre[j] x_j -> [B,T,D], summed in >= fp32, cast to x's dtype."""
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.mix_in(x_BTSD, h_pre_BTS)
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.mix_in(x_BTSD, h_pre_BTS)
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
         y_BTD = torch.einsum("btj,btjd->btd", h_pre_BTS.to(dtype), x_BTSD.to(dtype))
@@ -159,8 +159,8 @@ def coefficients_and_mix_in(
 
     The fused path runs both as one op, whose backward writes the streams' gradient once.
     """
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.coefficients_and_mix_in(
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.coefficients_and_mix_in(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
     h_pre, h_post, h_res = mhc_coefficients(
@@ -181,8 +181,8 @@ def mix_out(
 
     The output dtype is promote(x, F) (an fp32 residual stays fp32 under bf16 autocast).
     """
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.mix_out(x_BTSD, f_BTD, h_post_BTS, h_res_BTSS)
     out = torch.promote_types(x_BTSD.dtype, f_BTD.dtype)
     dtype = _compute_dtype(out)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -211,12 +211,12 @@ def hyper_connection(
     `coefficients_and_mix_in`, F, `mix_out`. The fused path hands mix out's gradient of the
     streams to the coefficient op's backward, which writes x's gradient once for all of it.
     """
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
         # x_BTSD becomes the op's view of the (once made contiguous) streams
-        y_BTD, _, h_post, h_res, x_BTSD = mhc.coefficients_and_mix_in_streams(
+        y_BTD, _, h_post, h_res, x_BTSD = ops.coefficients_and_mix_in_streams(
             x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps
         )
-        return mhc.mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res)
+        return ops.mix_out(x_BTSD, sublayer(y_BTD), h_post, h_res)
     y_BTD, _, h_post, h_res = coefficients_and_mix_in(
         x_BTSD, phi_PC, alpha_3, bias_P, iters=iters, norm_eps=norm_eps, eps=eps, kernels=kernels
     )
@@ -294,8 +294,8 @@ def contraction_weights(
     kernels: str = "auto",
 ) -> Tensor:
     """Sigmoid weights [B,T,S] of the output contraction, computed in >= fp32."""
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.contraction_weights(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     B, T, S, D = x_BTSD.shape
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
@@ -316,8 +316,8 @@ def contract(
 ) -> Tensor:
     """Output contraction sum_s w_s x_s -> [B,T,D]: `contraction_weights`, then `mix_in` (the
     fused path runs both as one op)."""
-    if (mhc := fused_ops(x_BTSD, kernels)) is not None:
-        return mhc.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
+    if (ops := fused_ops(x_BTSD, kernels)) is not None:
+        return ops.contract(x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps)
     w_BTS = contraction_weights(
         x_BTSD, phi_SC, alpha_1, bias_S, norm_eps=norm_eps, eps=eps, kernels=kernels
     )

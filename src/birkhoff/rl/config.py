@@ -8,15 +8,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from birkhoff.config import check
 from birkhoff.rl.loss import GRPOLossConfig
 
+Warmup = Literal["supervised", "mtp-self-distill"]
+WARMUPS = ("supervised", "mtp-self-distill")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RLConfig:
-    warmup_steps: int = 200  # supervised steps on the task before GRPO
+    warmup_steps: int = 200  # steps before GRPO, of the `warmup` kind
+    # "supervised": the task's answers; "mtp-self-distill": the MTP depths on the model's own
+    # greedy completions, the main model frozen (rl/mtp_warmup.py)
+    warmup: Warmup = "supervised"
     num_steps: int = 20  # GRPO steps (rollout -> update(s) -> refit)
     num_prompts: int = 16  # Q prompts per step
     group_size: int = 8  # W completions per prompt
@@ -58,6 +64,7 @@ class RLConfig:
         check(self.refit_bucket_bytes >= 1, "refit_bucket_bytes", self.refit_bucket_bytes, ">= 1")
         q = self.refit_quantize
         check(q in (None, "fp8"), "refit_quantize", q, "None | 'fp8'")
+        check(self.warmup in WARMUPS, "warmup", self.warmup, f"one of {WARMUPS}")
 
     def replace(self, **changes: Any) -> RLConfig:
         return dataclasses.replace(self, **changes)
