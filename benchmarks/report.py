@@ -164,6 +164,61 @@ SECTIONS = [
                 joined(grpo_median("generate_s", ".3f"), grpo_median("train_s", ".3f")),
             ),
             Figure(
+                "smollm2-grpo (SmolLM2-135M, S=4 M=1): held-out greedy accuracy",
+                "run-smollm2-grpo-cuda.jsonl",
+                evals("eval_reward"),
+            ),
+            Figure(
+                "smollm2-grpo: held-out sampled accuracy (temperature 0.7)",
+                "run-smollm2-grpo-cuda.jsonl",
+                evals("eval_sampled_reward"),
+            ),
+            Figure(
+                "smollm2-grpo: generate / train / refit s per GRPO step",
+                "run-smollm2-grpo-cuda.jsonl",
+                joined(
+                    grpo_median("generate_s", ".3f"),
+                    grpo_median("train_s", ".3f"),
+                    grpo_median("refit_s", ".4f"),
+                ),
+            ),
+            Figure(
+                "smollm2-grpo: rollout completion tokens/s / mean completion tokens",
+                "run-smollm2-grpo-tokens-cuda.jsonl",
+                joined(
+                    grpo_median("rollout_tok_s", ",.0f"), grpo_median("completion_tokens", ".1f")
+                ),
+            ),
+            Figure(
+                "smollm2-grpo: draft-1 acceptance in rollouts (median GRPO step)",
+                "run-smollm2-grpo-cuda.jsonl",
+                grpo_median("accept_1", ".2f"),
+            ),
+            Figure(
+                "smollm2-grpo: peak memory in a GRPO step",
+                "run-smollm2-grpo-cuda.jsonl",
+                grpo_median("mem_peak_mib", ".1f", scale=1 / 1024, unit=" GiB"),
+            ),
+            Figure(
+                "smollm2-grpo-dense (S=1 M=0): held-out greedy accuracy",
+                "run-smollm2-grpo-dense-cuda.jsonl",
+                evals("eval_reward"),
+            ),
+            Figure(
+                "smollm2-grpo-dense: generate / train / refit s per GRPO step",
+                "run-smollm2-grpo-dense-cuda.jsonl",
+                joined(
+                    grpo_median("generate_s", ".3f"),
+                    grpo_median("train_s", ".3f"),
+                    grpo_median("refit_s", ".4f"),
+                ),
+            ),
+            Figure(
+                "smollm2-grpo-dense: peak memory in a GRPO step",
+                "run-smollm2-grpo-dense-cuda.jsonl",
+                grpo_median("mem_peak_mib", ".1f", scale=1 / 1024, unit=" GiB"),
+            ),
+            Figure(
                 "h200-learn (CPU): held-out greedy reward",
                 "run-h200-learn-cpu.jsonl",
                 evals("eval_reward"),
@@ -206,6 +261,25 @@ SECTIONS = [
         ],
         runs=[
             Run("run-tiny-cpu.jsonl", MAIN_RUN, "cpu (2 cores)", "d17deb7"),
+            Run(
+                "run-smollm2-grpo-cuda.jsonl",
+                "birkhoff run --preset smollm2-grpo --device cuda --out /tmp/smollm2-grpo",
+                "NVIDIA H100 80GB HBM3 (shared with the dense run)",
+                "d4c2abc",
+            ),
+            Run(
+                "run-smollm2-grpo-tokens-cuda.jsonl",
+                "birkhoff run --preset smollm2-grpo --device cuda --out /tmp/s4 (stopped by "
+                "SIGTERM at step 78: 58 GRPO steps)",
+                "NVIDIA H100 80GB HBM3",
+                "ea904fe",
+            ),
+            Run(
+                "run-smollm2-grpo-dense-cuda.jsonl",
+                "birkhoff run --preset smollm2-grpo-dense --device cuda --out /tmp/smollm2-dense",
+                "NVIDIA H100 80GB HBM3 (shared with the S=4 run)",
+                "d4c2abc",
+            ),
             Run(
                 "run-h200-learn-cpu.jsonl",
                 "birkhoff run --preset h200-learn --device cpu --out runs/h200-learn-cpu",
@@ -296,6 +370,15 @@ SECTIONS = [
             Figure(
                 f"V = {vocab:,}: peak of one update, unchunked -> chunked (small CPU trunk)",
                 "grpo_memory-cpu.json",
+                update_peaks(vocab),
+            )
+            for vocab in (49152, 151936)
+        ]
+        + [
+            Figure(
+                f"V = {vocab:,}: peak of one update, unchunked -> chunked "
+                "(SmolLM2-135M trunk, S=4 M=1, 64 x 512 tokens)",
+                "grpo_memory-cuda.json",
                 update_peaks(vocab),
             )
             for vocab in (49152, 151936)

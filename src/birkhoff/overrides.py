@@ -37,11 +37,12 @@ class Override(NamedTuple):
 
 
 def as_settings(obj: Any) -> Any:
-    """A config as plain TOML-able data: dataclasses as tables, None as "none", tuples as lists."""
+    """A config as plain TOML-able data: dataclasses as tables, None as "none", tuples as lists,
+    dicts (task options) with sorted keys so that their text does not depend on merge order."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: as_settings(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
-        return {str(k): as_settings(v) for k, v in obj.items()}
+        return {str(k): as_settings(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, tuple | list):
         return [as_settings(v) for v in obj]
     return NONE if obj is None else obj

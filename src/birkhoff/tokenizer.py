@@ -1,17 +1,11 @@
 """A character-level tokenizer shipped in code, sized for the built-in tasks.
 
-Design choices:
-- The vocabulary is fixed in code (no file to ship or lose): three special ids first
-  (pad 0, bos 1, eos 2), then digits, lowercase letters and the few punctuation marks the task
-  prompts use. It stays under 64 ids, so the embedding and the lm_head are tiny.
-- Special tokens have no text form: `encode` can never produce them from user text, so a prompt
-  cannot inject an EOS. `decode` skips pad and bos and stops at the first eos, i.e. it returns
-  exactly the text a model "said" before ending its answer.
-- Its convention puts a BOS before every prompt: `encode_prompt` adds it, as a HuggingFace
-  tokenizer's post-processor (or chat template) adds its own special tokens. Nothing else adds
-  special tokens to a prompt (the `Tokenizer` protocol).
-- Unknown characters raise ValueError naming the character and its position; silently mapping
-  them to an UNK id would hide task/tokenizer mismatches.
+The vocabulary is fixed in code: pad 0, bos 1, eos 2, then digits, lowercase letters and the few
+punctuation marks the task prompts use (under 64 ids). Special tokens have no text form, so a
+prompt cannot inject an EOS; `decode` skips pad and bos and stops at the first eos.
+`encode_prompt` puts a BOS before every prompt, as a HuggingFace tokenizer's post-processor adds
+its own special tokens (the `Tokenizer` protocol). Unknown characters raise ValueError naming
+the character and its position. Design choices: docs/tasks.md.
 Left out: byte fallback, merges (BPE), uppercase; none of the built-in tasks need them.
 """
 

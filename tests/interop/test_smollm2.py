@@ -148,7 +148,7 @@ def test_greedy_chat_continuations(
 ) -> None:
     """transformers' greedy generate, the fp32 engine (dense; upcycled with and without MTP
     drafts) and the trainer's forward continue every chat prompt with the same tokens."""
-    num_tokens = 10
+    num_tokens = 6  # a prefill token and five decode steps (drafted: verify steps of 1 draft)
     prompts = [tok.encode_prompt(q) for q in QUESTIONS]
     dense = Engine.from_model(models["dense"], max_batch_size=len(prompts))
     up = Engine.from_model(models["upcycled"], max_batch_size=len(prompts))

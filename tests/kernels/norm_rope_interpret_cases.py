@@ -63,7 +63,7 @@ def test_custom_op_registration(name: str) -> None:
 
 
 def test_engine_greedy_tokens_fused_equal_eager() -> None:
-    check_engine_tokens("cpu")
+    check_engine_tokens("cpu", num_new=4)  # a prefill token, then verify steps of 2 drafts
 
 
 @pytest.mark.parametrize(("dtype", "H", "G", "K"), ROPE_CASES)
@@ -110,14 +110,12 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
     model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
     engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
     D = model.cfg.dim
-    with Calls() as calls:  # two rows, verify and draft chunks of 2-3 positions
+    with Calls() as calls:  # two rows, verify and draft chunks of 2-3 positions; then one row
         engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
+        engine.generate([[6, 7]], SamplingParams(3))
     assert calls.gemv_shapes and all(serves(*shape) for shape in calls.gemv_shapes)
     assert {(rows, N) for rows, N, _ in calls.gemv_shapes} >= {(2, D), (4, D)}  # wo and down
     assert all(N <= K for rows, N, K in calls.gemv_shapes if rows > 1)  # qkv etc.: cuBLAS
-    with Calls() as calls:
-        engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3, num_speculative_tokens=1))
-        engine.generate([[6, 7]], SamplingParams(3))
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
     # (chunks of decode size, short prompts too, attend with their prologue folded in)
     ops = ("decode_attention_rope", "silu_mul", "mhc_entry", "mhc_entry_rest", "mhc_exit",
@@ -142,8 +140,12 @@ def test_gemv_rejects_more_rows_and_strided_rows() -> None:
     check_gemv_rejects("cpu")
 
 
-@pytest.mark.parametrize("case", FP8_CASES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# every x dtype on the edge shapes; the block grids (hundreds of programs here) in bf16 only
+FP8_PARAMS = [(case, dtype) for case in FP8_CASES[:4] for dtype in DTYPES]
+FP8_PARAMS += [(case, torch.bfloat16) for case in FP8_CASES[4:]]
+
+
+@pytest.mark.parametrize(("case", "dtype"), FP8_PARAMS, ids=str)
 def test_gemv_block_fp8_matches_the_dequantized_weight(case: tuple, dtype: torch.dtype) -> None:
     check_gemv_fp8("cpu", case, dtype)
 
@@ -165,7 +167,10 @@ def test_fp8_engine_decodes_through_the_fp8_gemv(monkeypatch: pytest.MonkeyPatch
     from birkhoff.kernels import fp8_matmul
     from birkhoff.kernels import gemv as gemv_module
 
-    model = build_model(tiny_config(mtp_depth=0, dim=128), "cpu", "triton")
+    # one layer and a 128-wide MLP: fewer gemv programs a step
+    model = build_model(
+        tiny_config(mtp_depth=0, dim=128, num_layers=1, mlp_hidden=128), "cpu", "triton"
+    )
     engine = Engine.from_model(
         model, device="cpu", dtype=torch.float32, quantize="fp8", kernels="triton"
     )
@@ -179,7 +184,7 @@ def test_fp8_engine_decodes_through_the_fp8_gemv(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(gemv_module, "gemv", spy)
     # the other matmuls dequantize in both runs (the fp8 GEMM would round the activation to e4m3)
     monkeypatch.setattr(fp8_matmul, "supported", lambda x: False)
-    params = SamplingParams(4)
+    params = SamplingParams(3)
     out = engine.generate([[1, 2, 3]], params)
     assert scaled and all(scaled)
     monkeypatch.setattr(gemv_module, "serves", lambda *shape: False)  # dequantize, then matmul

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 triton = pytest.importorskip("triton")
+from birkhoff.kernels.mhc import configs  # noqa: E402
+
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted in this process"
 )
@@ -44,11 +46,35 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
 ALIGNED_INTS = ("N", "C", "D", "TOKENS")
 
 
-def compile_for_h200(
+Job = tuple[object, dict[str, str], dict[str, object], dict[str, int]]  # fn, types, consts, launch
+
+
+def planned(
     fn: object, types: dict[str, str], consts: dict[str, object], launch: dict[str, int]
-) -> tuple[int, int]:
-    """Compile `fn` for sm_90 with these constexprs and launch options -> ptxas_usage."""
-    return ptxas_usage(compiled_for_h200(fn, types, consts, launch).asm["ptx"])
+) -> Job:
+    """A kernel to compile for sm_90 with these constexprs and launch options (`usage` compiles
+    it; `kernel_jobs` plans them all first, so a variant compiles only what it changes)."""
+    return fn, types, consts, launch
+
+
+def job_key(job: Job) -> str:
+    """What the compiled kernel depends on: the kernel, its argument types, constexprs, launch."""
+    fn, types, consts, launch = job
+    params = inspect.signature(fn.fn).parameters  # type: ignore[attr-defined]
+    used = {p: types[p] for p in params if p in types and p not in consts}
+    name = fn.fn.__name__  # type: ignore[attr-defined]
+    return repr((name, sorted(used.items()), sorted(consts.items()), sorted(launch.items())))
+
+
+def changed(jobs: dict[str, Job], base: dict[str, Job]) -> dict[str, Job]:
+    """The jobs of `jobs` that compile another kernel than any of `base` (the rest are base's)."""
+    seen = {job_key(job) for job in base.values()}
+    return {name: job for name, job in jobs.items() if job_key(job) not in seen}
+
+
+def usage(jobs: dict[str, Job]) -> dict[str, tuple[int, int]]:
+    """ptxas (registers, spill bytes) of each planned kernel."""
+    return {name: ptxas_usage(compiled_for_h200(*job).asm["ptx"]) for name, job in jobs.items()}
 
 
 def compiled_for_h200(
@@ -89,9 +115,9 @@ def kernel_types(dtype: str, floats: str = "fp32") -> dict[str, str]:
     return types | dict(norm_eps=floats, hc_eps=floats)
 
 
-def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[int, int]]:
-    """ptxas (registers, spill bytes) of every kernel as the ops launch it under mhc.CONFIG;
-    `floats`: the type of float arguments (Triton's launcher passes fp32, inductor's fp64)."""
+def kernel_jobs(S: int, dtype: str, floats: str = "fp32") -> dict[str, Job]:
+    """Every kernel as the ops launch it under mhc.CONFIG, by name; `floats`: the type of float
+    arguments (Triton's launcher passes fp32, inductor's fp64)."""
     import torch
 
     from birkhoff.kernels.mhc import coefficients as K
@@ -104,24 +130,24 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
     x = torch.empty(0, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     f32, xt = "*fp32", f"*{dtype}"
     types = kernel_types(dtype, floats)
-    usage = {}
+    jobs: dict[str, Job] = {}
     for P in (S * S + 2 * S, S):
         SP, PP = mhc_configs.pads(S, P)
         consts = dict(S=S, SP=SP, P=P, WITH_RES=P > S)
         const, launch = split(mhc_configs.launch("coeff_proj", x, S))
         const.pop("PROGRAMS")
         terms = dict(phit_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
-        usage[f"coeff_proj/{P}"] = compile_for_h200(
+        jobs[f"coeff_proj/{P}"] = planned(
             K.coeff_proj, types | terms, const | dict(PP=PP, EMU=False), launch
         )
         const, launch = split(mhc_configs.launch("coeff_tail", x, S))
         kb = max(1, K.TAIL_ELEMENTS // (int(const["BN"]) * PP))  # decode's widest load
-        usage[f"coeff_tail/{P}"] = compile_for_h200(
+        jobs[f"coeff_tail/{P}"] = planned(
             K.coeff_tail, types, consts | const | dict(PP=PP, KB=kb), launch
         )
         bn = mhc_entry.ENTRY_ELEMENTS // 1024  # the engine's entry at D 768 (BD 1024)
         entry = dict(S=S, SP=SP, P=P, PP=PP, BN=bn, BD=1024, KB=K.TAIL_ELEMENTS // (bn * PP))
-        usage[f"pre_mix_norm/{P}"] = compile_for_h200(
+        jobs[f"pre_mix_norm/{P}"] = planned(
             mhc_entry.pre_mix_norm_kernel,
             types | dict(w_ptr=xt, rms_eps=floats),
             entry,
@@ -130,22 +156,22 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
         if P > S:  # coeff_rest as the engine launches it at batch 256
             const, launch = split(mhc_entry._rest_launch(256))
             rest = dict(S=S, SP=SP, P=P) | const
-            usage[f"coeff_rest/{P}"] = compile_for_h200(mhc_entry.coeff_rest, types, rest, launch)
+            jobs[f"coeff_rest/{P}"] = planned(mhc_entry.coeff_rest, types, rest, launch)
         const, launch = split(mhc_configs.launch("coeff_bwd", x, S))
-        usage[f"coeff_bwd/{P}"] = compile_for_h200(K.coeff_bwd, types, consts | const, launch)
+        jobs[f"coeff_bwd/{P}"] = planned(K.coeff_bwd, types, consts | const, launch)
         const, launch = split(mhc_configs.launch("grad_x", x, S))
         terms = dict(phi_ptr="*bf16" if const["PREC"] == "bf16x3" else f32)
         for mix, res in ((True, True), (True, False), (False, False)):  # as the ops launch it
-            usage[f"grad_x/{P}/{mix}/{res}"] = compile_for_h200(
+            jobs[f"grad_x/{P}/{mix}/{res}"] = planned(
                 G.grad_x, types | terms,
                 const | dict(P=P, PP=PP, MIX=mix, RES=res, WHOLE=768 % int(const["BC"]) == 0,
                              EMU=False, PHI=G.phi_in_grad_x(const, x, PP)), launch,
             )  # fmt: skip
         const, launch = split(mhc_configs.launch("grad_phi", x, S))
         split_bf16 = dict(P=P, PP=PP, SPLIT=dtype == "bf16", EMU=False) | const
-        usage[f"grad_phi/{P}"] = compile_for_h200(G.grad_phi, types, split_bf16, launch)
+        jobs[f"grad_phi/{P}"] = planned(G.grad_phi, types, split_bf16, launch)
         for terms in (1, 3):
-            usage[f"phi_pad_t/{P}/{terms}"] = compile_for_h200(
+            jobs[f"phi_pad_t/{P}/{terms}"] = planned(
                 mhc_phi.phi_pad_t,
                 types | dict(P="i32", out_ptr="*bf16" if terms == 3 else f32),
                 dict(PP=PP, BC=64, TERMS=terms),
@@ -153,17 +179,17 @@ def kernel_usage(S: int, dtype: str, floats: str = "fp32") -> dict[str, tuple[in
             )
     const, launch = split(M._mix_grid(1, S, 768)[1])
     for kernel in (M.mix_in_fwd, M.mix_out_fwd, M.mix_out_bwd):
-        usage[kernel.fn.__name__] = compile_for_h200(kernel, types, dict(S=S) | const, launch)
+        jobs[kernel.fn.__name__] = planned(kernel, types, dict(S=S) | const, launch)
     for write in (True, False):
         consts = dict(S=S, WRITE_GX=write) | const
-        usage[f"mix_in_bwd/{write}"] = compile_for_h200(M.mix_in_bwd, types, consts, launch)
+        jobs[f"mix_in_bwd/{write}"] = planned(M.mix_in_bwd, types, consts, launch)
     for N in (1, 256):  # the exit's tile at batch 1 and at batch 256 (more tokens a program)
         const, launch = split(mhc_entry._exit_launch(N, 768))
         for P in (S * S + 2 * S, S):  # the next entry a sublayer's, or the output contraction
             consts = dict(S=S, PP=mhc_configs.pads(S, P)[1]) | const
             kernel = mhc_entry.mix_out_proj_kernel
-            usage[f"mix_out_proj/{N}/{P}"] = compile_for_h200(kernel, types, consts, launch)
-    return usage
+            jobs[f"mix_out_proj/{N}/{P}"] = planned(kernel, types, consts, launch)
+    return jobs
 
 
 def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
@@ -175,26 +201,41 @@ def assert_no_spills(usage: dict[str, tuple[int, int]]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("S", "dtype"), [(4, "bf16"), (4, "fp32"), (8, "bf16")])
 def test_kernels_compile_for_sm90_without_spills(S: int, dtype: str) -> None:
-    assert_no_spills(kernel_usage(S, dtype))
+    assert_no_spills(usage(kernel_jobs(S, dtype)))
 
 
 @pytest.mark.slow
 def test_kernels_compile_with_float_arguments_as_inductor_passes_them() -> None:
-    # torch.compile launches the triton_ops' kernels from inductor's code, with fp64 floats
-    assert_no_spills(kernel_usage(4, "bf16", floats="fp64"))
+    # torch.compile launches the triton_ops' kernels from inductor's code, with fp64 floats;
+    # the kernels without float arguments are the fp32 launcher's (compiled above)
+    jobs = changed(kernel_jobs(4, "bf16", floats="fp64"), kernel_jobs(4, "bf16"))
+    assert jobs
+    assert_no_spills(usage(jobs))
+
+
+SWEPT = sorted({variant.split("/")[0] for variant in configs.SWEEP})  # CONFIG keys swept
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(__import__("birkhoff.kernels.mhc.configs",
-                         fromlist=["SWEEP"]).SWEEP))  # fmt: skip
+@pytest.mark.parametrize("key", SWEPT)
 def test_sweep_variants_compile_for_sm90_without_spills(
-    variant: str, monkeypatch: pytest.MonkeyPatch
+    key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birkhoff.kernels.mhc import configs as mhc_configs
-
-    for key, entry in mhc_configs.SWEEP[variant].items():
-        monkeypatch.setitem(mhc_configs.CONFIG, key, entry)
-    assert_no_spills(kernel_usage(4, "fp32" if variant.split("/")[0].endswith("_fp32") else "bf16"))
+    """Each variant of CONFIG[key] compiles the kernels it launches differently from CONFIG
+    (CONFIG's compile above) and from an earlier variant; a variant of the grid size alone
+    (PROGRAMS, TOKENS) launches no other kernel."""
+    dtype = "fp32" if key.endswith("_fp32") else "bf16"
+    jobs = kernel_jobs(4, dtype)
+    swept: dict[str, Job] = {}
+    for variant in (v for v in configs.SWEEP if v.split("/")[0] == key):
+        with monkeypatch.context() as patch:
+            for name, entry in configs.SWEEP[variant].items():
+                patch.setitem(configs.CONFIG, name, entry)
+            new = changed(kernel_jobs(4, dtype), jobs)
+        jobs |= {f"{variant}: {name}": job for name, job in new.items()}
+        swept |= {f"{variant}: {name}": job for name, job in new.items()}
+    assert swept, f"no variant of {key} launches another kernel"
+    assert_no_spills(usage(swept))
 
 
 def reductions_across_warps(ttgir: str) -> list[tuple[int, str]]:

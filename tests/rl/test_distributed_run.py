@@ -70,3 +70,20 @@ def test_two_rank_run_resumes_exactly_and_on_one_rank(tmp_path: Path) -> None:
     run_ranks(_one_rank_worker, tmp_path, world=1)
     steps = [r["step"] for r in rows(tmp_path / "mid/metrics.jsonl")]
     assert steps[0] == WARMUP + 1 and steps[-1] == WARMUP + STEPS
+
+
+def _stop_worker(rank: int, out: Path) -> None:
+    from birkhoff.runtime.stop import StopFlag
+
+    flag = StopFlag()
+    if rank == 1:  # the signal reached one rank only (so far)
+        flag.request("SIGTERM")
+    run = GRPORun(small_preset(), out, device="cpu")
+    assert run.run(progress=False, stop=flag) == []
+    assert run.stopped_by == ("SIGTERM" if rank == 1 else "a signal to another rank")
+    assert run.checkpoint_step == 0
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    run_ranks(_stop_worker, tmp_path)
+    assert read_sharded_meta(tmp_path / "checkpoint").step == 0

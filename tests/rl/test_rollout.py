@@ -111,4 +111,7 @@ def test_rollout_counts_a_guarded_verifier_failures(tmp_path, monkeypatch) -> No
     assert sorted(ro.rewards_QW.flatten().tolist()) == [0.0] * 4 + [1.0] * 4
     metrics = rollout_metrics(ro, torch.device("cpu"))
     assert metrics["verifier_errors"] == 4.0 and metrics["verifier_calls"] == 8.0
+    num_tokens = sum(len(c.tokens) for c in ro.completions)
+    assert metrics["completion_tokens"] == num_tokens / 8
+    assert metrics["rollout_tok_s"] == num_tokens / ro.seconds
     sys.modules.pop("odd_checks", None)

@@ -59,9 +59,14 @@ def prepare_out_dir(
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by the jobs that train (`train`, `run`)."""
-    parser.add_argument("--log", action="append", default=[], choices=("tensorboard", "wandb"),
-                        help="also log to TensorBoard (OUT/tensorboard) or W&B; repeatable; "
-                        "metrics.jsonl is always written")  # fmt: skip
+    parser.add_argument(
+        "--log",
+        action="append",
+        default=[],
+        choices=("tensorboard", "wandb"),
+        help="also log to TensorBoard (OUT/tensorboard) or W&B; repeatable; "
+        "metrics.jsonl is always written",
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -132,8 +137,9 @@ def is_main() -> bool:
     return current().is_main
 
 
-def open_trackers(args: argparse.Namespace, out: Path, config: Any, *, resume_step: int | None
-                  ) -> list[Any]:  # fmt: skip
+def open_trackers(
+    args: argparse.Namespace, out: Path, config: Any, *, resume_step: int | None
+) -> list[Any]:
     """The trackers of `--log` on rank 0 (none elsewhere): runtime.tracking."""
     from birkhoff.overrides import as_settings
     from birkhoff.runtime.tracking import open_trackers as open_all
@@ -141,8 +147,9 @@ def open_trackers(args: argparse.Namespace, out: Path, config: Any, *, resume_st
     if not args.log or not is_main():
         return []
     try:
-        return open_all(args.log, out, name=str(out), config=as_settings(config),
-                        resume_step=resume_step)  # fmt: skip
+        return open_all(
+            args.log, out, name=str(out), config=as_settings(config), resume_step=resume_step
+        )
     except ValueError as err:
         raise UsageError(str(err)) from err
 

@@ -59,9 +59,12 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None, help="JSONL task: prompt + answer")
     parser.add_argument("--verifier", default=None, help="exact | numeric[:TOL] | module:fn")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out JSONL file")
-    parser.add_argument("--task", default=None,
-                        help="a generated task instead of the preset's: addition | sorting | "
-                        "countdown | arithmetic-words")  # fmt: skip
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="a generated task instead of the preset's: addition | sorting | "
+        "countdown | arithmetic-words",
+    )
 
 
 def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
@@ -122,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         resumable = (out / "checkpoint").is_dir()
         hint = "pass --resume to continue it or --overwrite to replace it"
-        prepare_on_main(out, overwrite=args.overwrite, outputs=RUN_OUTPUTS,
-                        hint=hint if resumable else OVERWRITE_HINT)  # fmt: skip
+        prepare_on_main(
+            out,
+            overwrite=args.overwrite,
+            outputs=RUN_OUTPUTS,
+            hint=hint if resumable else OVERWRITE_HINT,
+        )
         if is_main():
             (out / "metrics.jsonl").unlink(missing_ok=True)
     with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
@@ -131,9 +138,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_grpo(
-    args: argparse.Namespace, preset: Preset, inputs: dict[str, Any], *, out: Path, device: str,
+    args: argparse.Namespace,
+    preset: Preset,
+    inputs: dict[str, Any],
+    *,
+    out: Path,
+    device: str,
     flag: StopFlag,
-) -> int:  # fmt: skip
+) -> int:
     """`birkhoff run` once its flags are checked: build (or resume), run, report."""
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.checkpoint import CheckpointError
@@ -150,14 +162,16 @@ def run_grpo(
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
         if args.stop_after is not None and args.stop_after <= grpo.step:
-            raise UsageError(f"--stop-after {args.stop_after}: the checkpoint already holds "
-                             f"step {grpo.step}")  # fmt: skip
+            raise UsageError(
+                f"--stop-after {args.stop_after}: the checkpoint already holds step {grpo.step}"
+            )
         if is_main():
             print(resume_line(grpo, out))
         if grpo.step == grpo.total_steps:
             return 0
-    grpo.log.trackers = open_trackers(args, out, preset,
-                                      resume_step=grpo.step if args.resume else None)  # fmt: skip
+    grpo.log.trackers = open_trackers(
+        args, out, preset, resume_step=grpo.step if args.resume else None
+    )
     try:
         grpo.run(stop_after=args.stop_after, progress=not args.no_progress, stop=flag)
     except VerifierFailureError as err:  # user code, not birkhoff: one line, no traceback
@@ -169,10 +183,14 @@ def run_grpo(
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:
-            command = resume_command(args.argv, reason=grpo.stopped_by,
-                                     world_size=grpo.dist.world_size)  # fmt: skip
-            print(f"stopped ({grpo.stopped_by}): {out / 'checkpoint'} holds step {grpo.step} "
-                  f"of {grpo.total_steps}; resume with: {command}", flush=True)  # fmt: skip
+            command = resume_command(
+                args.argv, reason=grpo.stopped_by, world_size=grpo.dist.world_size
+            )
+            print(
+                f"stopped ({grpo.stopped_by}): {out / 'checkpoint'} holds step {grpo.step} "
+                f"of {grpo.total_steps}; resume with: {command}",
+                flush=True,
+            )
         else:
             for line in run_summary(grpo.log.rows(), out):
                 print(line)
@@ -183,10 +201,15 @@ def resume_line(grpo: GRPORun, out: Path) -> str:
     """Where a resumed run continues from (or that it is finished)."""
     warmup, total = grpo.rl.warmup_steps, grpo.total_steps
     if grpo.step == total:
-        return (f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
-                "(raise --steps to continue it)")  # fmt: skip
-    phase = (f"warm-up step {grpo.step + 1} of {warmup}" if grpo.step < warmup
-             else f"GRPO step {grpo.step - warmup + 1} of {grpo.rl.num_steps}")  # fmt: skip
+        return (
+            f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
+            "(raise --steps to continue it)"
+        )
+    phase = (
+        f"warm-up step {grpo.step + 1} of {warmup}"
+        if grpo.step < warmup
+        else f"GRPO step {grpo.step - warmup + 1} of {grpo.rl.num_steps}"
+    )
     return f"resuming {out} at step {grpo.step + 1} of {total} ({phase})"
 
 

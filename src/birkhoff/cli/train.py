@@ -65,10 +65,17 @@ def run(args: argparse.Namespace) -> int:
         "config": as_settings(preset),
     }
     try:
-        summary = run_training(preset.model, train, task, args.out, device=torch.device(device),
-                               progress=not args.no_progress, name=preset.name, extra=extra,
-                               trackers=open_trackers(args, args.out, preset,
-                                                      resume_step=None))  # fmt: skip
+        summary = run_training(
+            preset.model,
+            train,
+            task,
+            args.out,
+            device=torch.device(device),
+            progress=not args.no_progress,
+            name=preset.name,
+            extra=extra,
+            trackers=open_trackers(args, args.out, preset, resume_step=None),
+        )
     except NonFiniteError as err:
         raise RunFailed(f"training stopped: {err}") from err
     if is_main():

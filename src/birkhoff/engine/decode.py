@@ -3,32 +3,12 @@
 Legend: R requests, B cache rows, N cache positions, A active rows, T tokens of a chunk,
 J drafts per step, S streams, D model dim, V vocab.
 
-Continuous batching (scheduler.py): requests take free cache rows in call order; before every
-step, rows freed by finished requests are refilled with waiting requests (their prefill runs,
-then they join the decode steps), so a call takes any number of prompts. All randomness comes
-from per-request counter-based uniforms (rng.py), so a request's tokens do not depend on which
-other requests share its batch. Steps (step.py: model, sampling and acceptance in one device
-call) run eagerly or as CUDA graphs (graphs.py); prefill runs eagerly. Decode runs one step
-ahead of the host (`run_ahead`; speculative steps with graphs): step t+1 is queued before
-step t's result is read, so the device does not wait for the host's bookkeeping.
-
-Per-row bookkeeping: `n[i]` is the position of row i's pending token (sampled but not yet run
-through the main model; the main cache is valid for positions < n[i]) and, per draft depth k,
-`valid[k][i]` counts the leading positions whose depth-k cache entries were computed from
-accepted tokens only. The host keeps both as of the last step it read; speculative steps read
-and advance the device's copies (`RowState.n_B`, `DrafterState.valid_JB`, written at
-admission), which are one step ahead while a step is in flight. A speculative step (step.py:
-one device call, one read-back):
-  1. draft: depth k recomputes positions valid[k][i] .. n[i]-1 (the newly accepted ones, plus
-     those that had used drafts as inputs) and proposes t_{n+k} from position n-1;
-  2. verify: the main model runs on [t_n, d_1..d_J] at positions n..n+J;
-  3. accept a_i drafts and sample one more token; n[i] += a_i + 1.
-Admission catches a new request's depths up on its prompt (`catch_up_drafter`), so a step's
-depth k never has more than J + k positions to recompute.
-A request ends at a stop token, a stop string (engine/stop.py: checked on its decoded text as
-each token is appended, so plain and speculative steps end it at the same token) or its length.
-Rolling back is implicit: cache slots past a row's valid length are masked and later overwritten.
-A row taken by a new request starts from position 0 in the same way.
+Requests take free cache rows in call order and finished rows are refilled before every step
+(scheduler.py); randomness is per request (rng.py), so a request's tokens do not depend on its
+batch. Steps (step.py) run eagerly or from CUDA graphs (graphs.py), one step ahead of the host.
+A request ends at a stop token, a stop string (stop.py) or its length; rolling back is implicit
+(cache slots past a row's valid length are masked and later overwritten). The per-row
+bookkeeping (`n`, the drafter's `valid`) and the speculative step are described in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -84,11 +64,22 @@ class Generation:
     """The state of one generate call: requests over cache rows, steps until all are done."""
 
     def __init__(
-        self, *, cfg: ModelConfig, weights: Weights, steps: Steps, cache: KVCache,
-        drafter: DrafterState | None, rows: RowState, rope: tuple[Tensor, Tensor],
-        prompts: list[list[int]], params: list[SamplingParams], max_seq_len: int, seed: int,
-        kernels: str, detokenize: Detokenize | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        cfg: ModelConfig,
+        weights: Weights,
+        steps: Steps,
+        cache: KVCache,
+        drafter: DrafterState | None,
+        rows: RowState,
+        rope: tuple[Tensor, Tensor],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        max_seq_len: int,
+        seed: int,
+        kernels: str,
+        detokenize: Detokenize | None = None,
+    ) -> None:
         self.cfg, self.steps, self.w, self.cache = cfg, steps, weights, cache
         self.drafter, self.rope, self.device = drafter, rope, cache.k.device
         self.prompts, self.params, self.max_seq_len, self.seed = prompts, params, max_seq_len, seed
@@ -209,9 +200,13 @@ class Generation:
         rows_A = to_device(rows, self.device)
         self.tokens_BN[rows_A, : tokens_AT.shape[1]] = to_device(tokens_AT, self.device)
         out_A2 = self.steps.run(
-            prefill_step, self.context(rows), rows, [lengths, [1] * len(rows)], max(lengths),
+            prefill_step,
+            self.context(rows),
+            rows,
+            [lengths, [1] * len(rows)],
+            max(lengths),
             max_graph_tokens=PREFILL_GRAPH_TOKENS,
-        )  # fmt: skip
+        )
         for i, (tok, lp) in zip(rows, out_A2.tolist(), strict=True):
             self.emit(i, [int(tok)], [lp])
         if self.drafter is not None:  # speculative (num_drafts > 0)
@@ -232,9 +227,13 @@ class Generation:
         if longest >= 1:
             state = [[self.n[i] for i in rows], [1] * len(rows)]
             self.steps.run(
-                catch_up_step, self.context(rows), rows, state, longest,
+                catch_up_step,
+                self.context(rows),
+                rows,
+                state,
+                longest,
                 max_graph_tokens=PREFILL_GRAPH_TOKENS,
-            )  # fmt: skip
+            )
 
     def queue_plain_step(self, rows: list[int]) -> QueuedStep:
         """Queue one plain step of `rows` (no host sync); their positions advance by one."""

@@ -1,31 +1,13 @@
 """Block-scaled fp8 (e4m3) for matmul weights: one fp32 scale per 128x128 block.
 
-Format (DeepSeek-V3 style): `q` is `torch.float8_e4m3fn` with the weight's shape, `scale_inv` is
-fp32 of shape [ceil(r/block), ceil(c/block)] and dequantization is `q * scale_inv` blockwise.
-`scale_inv = amax(|w| over the block) * (1/448)`, so each block's largest element maps to +-448
-(within fp32 rounding, which the cast rounds back to 448), the largest finite e4m3 value.
-
-Error bound (what the tests check): e4m3 has 3 mantissa bits, so round-to-nearest of a normal value
-errs by at most 2^-4 of it; values that land in the subnormal range (|w / scale_inv| < 2^-6) err
-by at most half a subnormal step, 2^-10 * scale_inv. Per element:
-    |w - dequant(q)| <= 2^-4 * |w| + 2^-10 * scale_inv_block   (+ fp32 rounding)
-hence per block max|w - dequant(q)| <= amax_block / 16 * (1 + 2^-6 / 448 ...) ~ amax_block / 16.
-
-Idempotence: quantizing a dequantized tensor again gives the same codes, because the block max
-maps back to +-448 and every other element is within fp32 rounding of an e4m3 grid point.
-
-Stacks: a weight of shape [E, r, c] (the stacked experts of an MoE layer) is E matrices, each
-with its own blocks: `scale_inv` is [E, ceil(r/block), ceil(c/block)] and no block straddles two
-experts. When r is a multiple of the block the stack is quantized as its [E*r, c] view (the same
-blocks, one kernel launch); otherwise matrix by matrix.
-
-Design choices: on CUDA with Triton, one fused kernel (`fp8_quantize.py`: one read of the weight,
-one write of the codes) that reproduces the eager reference bit for bit; elsewhere the eager
-reference, vectorised over blocks (pad to a multiple of the block, view as [R, block, C, block],
-reduce): a handful of kernels with no host sync. Partial edge blocks are zero-padded, which
-leaves amax unchanged. An all-zero block gets the smallest scale that keeps the division finite;
-its codes are 0 either way. Left out: per-tensor or per-row scaling,
-e5m2, stochastic rounding, activation quantization.
+`q` is `torch.float8_e4m3fn` with the weight's shape and `scale_inv` is fp32 of shape
+[ceil(r/block), ceil(c/block)] = amax(|w| over the block) / 448; dequantization is
+`q * scale_inv` blockwise. A stack [E, r, c] (an MoE layer's experts) gets blocks per matrix.
+On CUDA with Triton the fused kernel of kernels/fp8_quantize.py reproduces the eager reference
+bit for bit; elsewhere the reference runs vectorised over blocks with no host sync. The error
+bound the tests check (about amax / 16 per block), idempotence and the edge cases are derived
+in docs/engine.md.
+Left out: per-tensor or per-row scaling, e5m2, stochastic rounding, activation quantization.
 """
 
 from __future__ import annotations

@@ -3,16 +3,12 @@
 Legend: L layers, B batch rows, G kv heads, N capacity (cache positions), K head dim,
 A active rows, T tokens of one chunk, J draft depths, S streams, D model dim.
 
-Layout: K and V are [L, B, G, N, K]; slot p of row b holds the token at position p of sequence
-b (sequences are right-padded: every row starts at position 0). Rolling back after rejected
-drafts is therefore only a matter of the row's length: stale slots beyond it are masked by the
-causal position mask and overwritten before any query can see them. The last slot (`trash`) is
-never read; padded chunk slots write there, so padding never clobbers a live slot.
-
-The MTP drafter has one cache layer per draft depth (depth k > M reuses depth M's weights but
-keeps its own cache: it attends over its own stream), plus one stream buffer per depth input:
-`streams[k]` holds h_k [S, D] per position (h_0 = the main model's multistream), because depth
-k+1 recomputes positions whose h_k was produced in an earlier round.
+K and V are [L, B, G, N, K]; slot p of row b holds position p of sequence b, so rolling back
+rejected drafts is only a matter of the row's length (stale slots are masked, then
+overwritten). The last slot (`trash`) is never read and takes padded chunk slots. The drafter
+has one cache layer per draft depth and one stream buffer per depth input (`streams[k]` holds
+h_k per position), since depth k+1 recomputes positions from an earlier round. Details:
+docs/engine.md.
 """
 
 from __future__ import annotations

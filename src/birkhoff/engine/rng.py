@@ -2,25 +2,13 @@
 
 Legend: N rows (one per draw), V vocab.
 
-Why counter-based: with continuous batching a request shares the batch with whichever requests
-happen to be active, and a stateful generator would hand it different numbers depending on its
-neighbours and slot. Here every random number a request consumes is a pure function of
-`(seed, request index, token position, draw tag)`, hashed on the device with splitmix64 (the
-request's random 64-bit key XOR a counter, then one splitmix64 output mix), so a
-request's tokens depend only on its own prompt, parameters, seed and index in the call — never on
-batch composition, slot or `max_batch_size` (up to floating-point differences of the logits
-themselves, which on GPU may depend on the batch size the kernels see).
-
-Draws are keyed by the position n of the step's pending token (the last token not yet run
-through the main model), which strictly grows from one step of a request to the next, and a tag
-that is distinct within a step: SAMPLE for the token sampled from the main model (the next token
-of a plain step, the corrected or bonus token of a verify step), DRAFT + k for the draft of MTP
-depth k, ACCEPT + j for the acceptance test of draft j. So no two draws of a request share a key.
-
-Sampling from a distribution is inverse-CDF: one uniform u per row, the token is the first index
-whose cumulative mass exceeds u * total (exact; zero-mass tokens are never chosen).
-int64 arithmetic wraps modulo 2^64 on every torch backend, which splitmix64 needs; logical right
-shifts are arithmetic shifts followed by a mask.
+Every random number a request consumes is a pure function of (seed, request index, token
+position, draw tag), hashed on the device with splitmix64, so a request's tokens never depend on
+batch composition, slot or `max_batch_size`. Draws are keyed by the pending token's position and
+a tag distinct within a step (SAMPLE, DRAFT + k, ACCEPT + j). Sampling from a distribution is
+inverse-CDF with one uniform per row (zero-mass tokens are never chosen). Why counter-based and
+how the keys stay unique: docs/engine.md.
+Left out: stateful generators (torch.Generator) in the engine.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
 Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab.
 
-The distribution a token is sampled from (`target_logprobs`):
-- temperature > 0: logits / temperature, then top-k (keep the k largest; 0 = off), then top-p
-  (keep the smallest prefix of the sorted distribution whose mass reaches top_p; 1 = off), then
-  softmax over what is kept. The recorded logprob of a sampled token is its log-probability
-  under exactly this distribution.
-- temperature = 0 (greedy): the token is the argmax; the recorded logprob is under the
-  untempered, unfiltered softmax of the logits (what a trainer computes for the same token).
-  For sampling, greedy rows use the one-hot distribution at the argmax, which makes exact
-  rejection sampling reduce to argmax agreement with no special case.
-Everything runs in >= fp32; bf16 logits are widened element by element inside the division by
-the temperature (no fp32 copy of the logits first), and greedy rows' one-hot is written into
-the probs in place. Left out: repetition/presence penalties, min-p, beam search.
+`target_logprobs` gives the distribution a token is sampled from: for temperature > 0, logits /
+temperature, then top-k, then top-p, then softmax over what is kept (a sampled token's logprob
+is under exactly this distribution); for greedy rows the one-hot at the argmax, which reduces
+exact rejection sampling to argmax agreement, with the logprob under the untempered softmax (what
+a trainer computes). Everything runs in >= fp32 without an fp32 copy of the logits. Details:
+docs/engine.md.
+Left out: repetition/presence penalties, min-p, beam search.
 """
 
 from __future__ import annotations

@@ -2,19 +2,12 @@
 
 Legend: A active rows, J drafts per step, T = J+1 verified positions, V vocab.
 
-Drafting (see decode.py): depth k at the last accepted position i sees h_{k-1} at i and
-Emb(t_{i+k}) and proposes t_{i+k+1}, exactly as the MTP depths are trained; drafts beyond the
-model's M depths reuse the last depth, chained on its own output streams.
-
-Acceptance (`accept_drafts`, Leviathan et al. / Chen et al.): with q_j the distribution draft j was
-sampled from and p_j the main model's distribution at the same position, accept draft x_j with
-probability min(1, p_j(x)/q_j(x)), left to right; at the first rejection sample from
-norm(max(0, p_j - q_j)); if all J are accepted, sample a bonus token from p_J. Every emitted token
-is then distributed exactly as p, so speculative and plain sampling agree in distribution. For
-greedy rows p and q are one-hot at the argmax, so the same rule is argmax agreement, and the
-emitted tokens are exactly the greedy tokens.
-
-(step.py runs drafting, verification and this acceptance as one device step.)
+Depth k drafts t_{i+k+1} exactly as the MTP depths are trained (drafts beyond M reuse the last
+depth). `accept_drafts` (Leviathan et al. / Chen et al.) accepts draft x_j with probability
+min(1, p_j(x)/q_j(x)) left to right, samples from norm(max(0, p_j - q_j)) at the first rejection
+and a bonus token from p_J if all are accepted, so every emitted token is distributed exactly as
+p; for greedy rows it is argmax agreement. step.py runs drafting, verification and this
+acceptance as one device step. The derivation: docs/engine.md.
 """
 
 from __future__ import annotations

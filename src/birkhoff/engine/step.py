@@ -3,27 +3,12 @@
 Legend: A rows of a step, J drafts per step, T tokens of a chunk (plain: 1; verify: J+1),
 V vocab, S streams, D model dim, B cache rows, N cache positions.
 
-A step is a pure function of persistent tensors (weights, caches, the rows' tokens, keys and
-sampling parameters: `StepContext`) and of a small per-row state tensor [K, A] the host writes
-(`prefill_step`: prompt length and a live flag; `plain_step`, and `catch_up_step` (a new
-request's draft depths over its prompt): pending position n and a live flag;
-`speculative_step`: the live flag only, as it reads each row's pending position n and each
-draft depth's first position to recompute from the device (`RowState.n_B`,
-`DrafterState.valid_JB`) and advances both itself, so the host can queue the next speculative
-step before it has read this one's result). It builds its chunk, runs the model, samples,
-writes the tokens it produced into `tokens_BN` and returns one fp64 result row per row
-(catch-up: the positions depth 1 ran), so it has static shapes and no host sync: graphs.py
-replays it as one CUDA graph; eagerly it is the reference. Rows that hold no request (the
-padding of a graph's batch bucket; in a prefill, every row not being admitted) are not live:
-they read and write only the trash slot and their results are dropped.
-
-Speculative step (decode.py has the bookkeeping): depth k covers J + k positions from its
-first invalid one (after a step that emitted a + 1 tokens it has a + k <= J + k to redo;
-`Generation.catch_up_drafter` runs a new request's depths over its prompt first), padding the
-rest onto the trash slot (eager steps may run each depth only as long as its longest row:
-`StepContext.draft_lengths`); verify runs the main model on [t_n, d_1..d_J] at positions n..n+J;
-speculative.accept_drafts decides. Sampling is sampling.py's; every draw is keyed by the row's
-request, the pending position and a tag (rng.py), so a step's randomness is batch-independent.
+A step is a pure function of persistent tensors (`StepContext`: weights, caches, the rows'
+tokens, keys and sampling parameters) and a small per-row state tensor the host writes: it
+builds its chunk, runs the model, samples, writes its tokens into `tokens_BN` and returns one
+fp64 result row per row, with static shapes and no host sync, so graphs.py replays it as one
+CUDA graph (eagerly it is the reference). Rows that hold no request touch only the trash slot.
+What each step reads and advances, and the speculative step's draft lengths: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -76,9 +61,14 @@ def fused_sampling(ctx: StepContext, logits: Tensor) -> bool:
 
 
 def sample_at(
-    ctx: StepContext, rows_A: Tensor, n_A: Tensor, live_A: Tensor, logits_AV: Tensor, tag: int,
+    ctx: StepContext,
+    rows_A: Tensor,
+    n_A: Tensor,
+    live_A: Tensor,
+    logits_AV: Tensor,
+    tag: int,
     offset: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """A sampling site of rows at pending positions n (draw tag `tag`): ([A, 2] fp64 of (token,
     its logprob), the tokens [A], the probs [A, V] they were drawn from); each token is written
     to tokens_BN at n + offset (the trash slot where not live). With fused kernels and no row
@@ -87,9 +77,20 @@ def sample_at(
     if fused_sampling(ctx, logits_AV):
         from birkhoff.kernels.sample import sample_next
 
-        return sample_next(logits_AV, rows_A, n_A.long(), live_A, table.temperature_A,
-                           table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, trash, TAGS, tag,
-                           offset)  # fmt: skip
+        return sample_next(
+            logits_AV,
+            rows_A,
+            n_A.long(),
+            live_A,
+            table.temperature_A,
+            table.greedy_A,
+            ctx.rows.rng.keys_R,
+            tokens_BN,
+            trash,
+            TAGS,
+            tag,
+            offset,
+        )
     rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
     u_A = ctx.rows.rng.uniform(rows_A, n_A, tag)
     logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A)
@@ -100,9 +101,16 @@ def sample_at(
 
 
 def step_chunk(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, start_A: Tensor | None,
-    end_A: Tensor | None, live_A: Tensor, T: int, limit: int, shift: int = 0,
-) -> tuple[Chunk, Tensor]:  # fmt: skip
+    ctx: StepContext,
+    rows_A: Tensor,
+    prefix: int | None,
+    start_A: Tensor | None,
+    end_A: Tensor | None,
+    live_A: Tensor,
+    T: int,
+    limit: int,
+    shift: int = 0,
+) -> tuple[Chunk, Tensor]:
     """(the chunk of positions p = start + t, t < T (start 0 where None) of rows `rows_A`, real
     where live and p < end (no bound where None), padding on the trash slot; the tokens at
     p + shift, the trash slot's where padding). With fused kernels: one launch
@@ -157,9 +165,16 @@ def prefill_step(
 
 
 def depth_pass(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, k: int, start_A: Tensor | None,
-    end_A: Tensor, live_A: Tensor, T: int, limit: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ctx: StepContext,
+    rows_A: Tensor,
+    prefix: int | None,
+    k: int,
+    start_A: Tensor | None,
+    end_A: Tensor,
+    live_A: Tensor,
+    T: int,
+    limit: int,
+) -> tuple[Tensor, Tensor]:
     """Draft depth k over cache positions start..start+T-1 (start 0 where None) that are below
     `end` in live rows (the rest pads onto the trash slot): reads h_{k-1} there, embeds t_{j+k}
     at position j, fills depth k's cache and, below the last depth, stores h_k. Returns (h_k
@@ -196,9 +211,13 @@ def catch_up_step(
 
 
 def draft(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, n_A: Tensor, live_A: Tensor,
+    ctx: StepContext,
+    rows_A: Tensor,
+    prefix: int | None,
+    n_A: Tensor,
+    live_A: Tensor,
     limit: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
     valid_JB[k-1] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
     assert ctx.drafter is not None
@@ -218,9 +237,15 @@ def draft(
 
 
 def verify(
-    ctx: StepContext, rows_A: Tensor, prefix: int | None, n_A: Tensor, live_A: Tensor,
-    drafts_AJ: Tensor, q_AJV: Tensor, limit: int,
-) -> Tensor:  # fmt: skip
+    ctx: StepContext,
+    rows_A: Tensor,
+    prefix: int | None,
+    n_A: Tensor,
+    live_A: Tensor,
+    drafts_AJ: Tensor,
+    q_AJV: Tensor,
+    limit: int,
+) -> Tensor:
     """The main model on [t_n, d_1..d_J] at positions n..n+J, then acceptance; returns [A, 1 +
     2T] fp64: the accepted drafts a, the T emitted tokens, their logprobs (the first a + 1 are
     real). The next token goes to tokens_BN at n + 1 + a; for live rows, depth k's first
@@ -240,10 +265,23 @@ def verify(
 
         table = ctx.rows.sampling.params
         return verify_accept(
-            logits_ATV, q_AJV, drafts_AJ, rows_A, n_A, live_A, table.temperature_A,
-            table.greedy_A, ctx.rows.rng.keys_R, tokens_BN, ctx.rows.n_B, ctx.drafter.valid_JB,
-            trash, TAGS, SAMPLE, ACCEPT,
-        )[1]  # fmt: skip
+            logits_ATV,
+            q_AJV,
+            drafts_AJ,
+            rows_A,
+            n_A,
+            live_A,
+            table.temperature_A,
+            table.greedy_A,
+            ctx.rows.rng.keys_R,
+            tokens_BN,
+            ctx.rows.n_B,
+            ctx.drafter.valid_JB,
+            trash,
+            TAGS,
+            SAMPLE,
+            ACCEPT,
+        )[1]
     rs = ctx.rows.sampling.select(rows_A, T, filtered=ctx.filtered)
     logp_AV, p_AV, _ = sample_tokens(logits_ATV.reshape(A * T, -1), rs, None)
     tags_J = ACCEPT + torch.arange(1, J + 1, device=rows_A.device)

@@ -1,21 +1,12 @@
 """Stop strings: generation of a request ends once its decoded text contains one of them.
 
-The engine works on token ids; a stop string ("</answer>") is text and may span tokens, so each
-request with stop strings keeps its completion's text up to date as tokens arrive (`push`) and
-searches only the text that could hold a new match: the last len(longest stop) - 1 characters
-it had plus the new ones. The completion ends at the token that completes the first match.
-
-Incremental decoding (as vLLM's detokenizer does it): the new text of a token is
-decode(tokens[prefix:]) minus decode(tokens[prefix:read]), a few tokens of context before the
-unread ones, so a tokenizer that decodes a token differently at the start of a text (a leading
-space) or needs several tokens for one character (byte-level BPE) gives the same text as
-decoding everything at once. While the decoded tail ends in U+FFFD (an unfinished UTF-8
-sequence) the tokens stay unread. The cost is two short decodes per token.
-
-What a stopped completion holds: its tokens end with the token that completed the stop string
-(later tokens, e.g. of the same speculative step, are dropped; the trainer sees exactly what was
-sampled), and its text ends with the stop string, *included* (a verifier checking for a closing
-tag sees it); characters that the last token carries past the stop string are cut from the text.
+A stop string may span tokens, so each request with stop strings keeps its completion's text up
+to date as tokens arrive (`push`), decoding incrementally as vLLM's detokenizer does, and
+searches only the text that could hold a new match. A stopped completion's tokens end with the
+token that completed the stop string, and its text ends with the stop string, included
+(characters the last token carries past it are cut). Incremental decoding and its edge cases:
+docs/engine.md.
+Left out: stop conditions other than strings and token ids (regexes, logits processors).
 """
 
 from __future__ import annotations

@@ -2,21 +2,10 @@
 
 `import_gguf(path, out, num_streams=S, mtp_depth=M)` writes the same checkpoint format as
 `import_hf` (hf_import.py) and upcycles the same way; `birkhoff import-hf FILE.gguf` calls it.
-
-Design choices:
-- The GGUF metadata becomes a HuggingFace config.json dict (`hf_config_from_gguf`), which the
-  one config path (`model_config_from_hf`) checks and maps; it is kept as hf_config.json, so the
-  checkpoint exports to a HuggingFace directory like an imported one.
-- `GGUFSource` serves tensors under their HuggingFace names with the interface of the
-  safetensors source, so `plan_tensors` (the one name/shape/upcycling plan) is shared. Each
-  tensor is dequantized only when the writer asks for it (`gguf.quants.dequantize`: F32, F16,
-  Q8_0, Q4_1, ... to fp32), so memory holds one tensor at a time. Quantized weights are stored
-  dequantized in fp32: the values llama.cpp computes with, exactly.
-- llama.cpp's converter permutes the rows of q and k (`permute` in convert_hf_to_gguf.py: per
-  head, the rotary pairs (i, i + K/2) become adjacent rows); `unpermute` undoes it, with the kv
-  head count for k.
-- The tokenizer is rebuilt from the metadata (gguf_tokenizer.py) and written as tokenizer.json +
-  tokenizer_config.json with the chat template and special tokens.
+The metadata becomes a HuggingFace config dict checked by the one config path; `GGUFSource`
+serves tensors under their HuggingFace names, dequantized to fp32 one at a time, so the same
+tensor plan is shared; q and k rows are un-permuted; the tokenizer is rebuilt by
+gguf_tokenizer.py. Design choices in detail: docs/interop.md.
 Left out: architectures other than `llama` (Mistral files are `llama` too), rope scaling,
 sentencepiece vocabularies; each raises ValueError naming the key.
 """

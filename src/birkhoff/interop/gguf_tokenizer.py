@@ -1,23 +1,11 @@
 """A `tokenizers` tokenizer rebuilt from a GGUF file's metadata (byte-level BPE).
 
-A GGUF file has no tokenizer.json: llama.cpp stores the vocabulary (`tokenizer.ggml.tokens`,
-with a type per token), the merges, the special token ids, the BOS/EOS flags, the name of the
-pre-tokenizer (`tokenizer.ggml.pre`) and the chat template as metadata. `tokenizer_files` turns
-them into the tokenizer.json + tokenizer_config.json that `HFTokenizer.from_dir` reads, so an
-imported checkpoint carries its tokenizer like an imported HuggingFace directory does.
-
-Design choices:
-- Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen); the
-  vocabulary is written in the byte alphabet (tokens outside it are respelled byte by byte, as
-  transformers' GGUF loader does). Sentencepiece vocabularies raise ValueError.
-- The pre-tokenizer follows llama.cpp's split for the named `pre`: GPT-2's regex, preceded by
-  one-digit splitting for SmolLM/StarCoder-style vocabularies (the real SmolLM2 tokenizer.json
-  has `Digits(individual_digits=True)` then ByteLevel), or the Llama 3 regex. transformers'
-  loader uses plain GPT-2 splitting for `smollm`; both give the same ids on this vocabulary (no
-  merge contains a digit), which the tests check against transformers.
-- Tokens typed CONTROL (3) become special added tokens, USER_DEFINED (4) plain added tokens, so
-  both are matched whole. The post-processor adds BOS/EOS only where `add_bos_token` /
-  `add_eos_token` say so (SmolLM2: neither), the convention `HFTokenizer.encode_prompt` follows.
+A GGUF file has no tokenizer.json: llama.cpp stores the vocabulary, merges, special token ids,
+BOS/EOS flags, the pre-tokenizer's name and the chat template as metadata. `tokenizer_files`
+turns them into the tokenizer.json + tokenizer_config.json that `HFTokenizer.from_dir` reads, so
+an imported checkpoint carries its tokenizer like an imported HuggingFace directory. The
+pre-tokenizer follows llama.cpp's split for the named `pre`; CONTROL tokens become special added
+tokens, USER_DEFINED plain ones. Design choices in detail: docs/interop.md.
 Left out: sentencepiece (`llama`) and unigram (`t5`) vocabularies, pre-tokenizers not listed in
 `SPLITS`.
 """

@@ -1,21 +1,12 @@
 """Import a HuggingFace Llama-family checkpoint directory as a birkhoff checkpoint.
 
-Design choices:
-- The output is the checkpoint format of birkhoff/runtime/checkpoint.py (model.safetensors in the
-  trainer layout, config.json, meta.json, rng.pt, manifest.json with sha256 of every file, the
-  directory committed atomically with its `commit_dir`), so `load_checkpoint` reads it like any
-  other. Extra files ride along in the manifest: the original HF config (`hf_config.json`, so
-  export reproduces it byte for byte) and the tokenizer files.
-- Streaming: the expected parameter names and shapes come from a `Transformer` built on the meta
-  device (no memory); each tensor is read from the source with `safe_open`, renamed and written
-  straight to the output file, so memory holds one tensor at a time. Source dtypes are kept
-  (a bf16 checkpoint stays bf16 on disk; loading casts into the model's parameters); tensors the
-  upcycling creates (mHC coefficients) are fp32.
-- Names map one to one (`HF_LAYER_NAMES`). Unknown source tensors, missing ones and shape
-  mismatches raise `ValueError` naming the tensor; rotary `inv_freq` buffers are skipped and a
-  tied `lm_head.weight` is checked equal to the embedding and dropped.
-- `num_streams > 1` / `mtp_depth > 0` upcycle (upcycle.py): the logits equal the dense model's at
-  initialisation up to the coefficient eps.
+The output is runtime/checkpoint.py's format, committed atomically, with the original HF config
+(`hf_config.json`, so export reproduces it byte for byte) and the tokenizer files in its
+manifest. Tensors are streamed one at a time (names and shapes from a meta-device
+`Transformer`, read with `safe_open`, source dtypes kept); names map one to one
+(`HF_LAYER_NAMES`), and unknown, missing or mis-shaped tensors raise `ValueError` naming the
+tensor. `num_streams > 1` / `mtp_depth > 0` upcycle (upcycle.py). Details: docs/interop.md.
+Left out: architectures outside the Llama family (hf_config.py lists those mapped).
 """
 
 from __future__ import annotations

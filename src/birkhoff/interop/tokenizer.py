@@ -1,32 +1,12 @@
 """HuggingFace `tokenizer.json` tokenizers with the interface of birkhoff's CharTokenizer.
 
-The code uses a tokenizer through `pad_id`, `bos_id`, `eos_id`, `stop_ids`, `vocab_size`,
-`encode(text)` (ids of the text, no special tokens added), `encode_prompt(text)` (a prompt
-framed by the tokenizer's own convention) and `decode(ids)` (text before the first stop id, pad
-and BOS skipped): the `Tokenizer` protocol of birkhoff/tokenizer.py. `HFTokenizer` provides
-exactly these, backed by the `tokenizers` library.
-
-Design choices:
-- Special tokens come from tokenizer_config.json (`bos_token`, `eos_token`, `pad_token`, as a
-  string or an `{"content": ...}` object) and must exist in the vocabulary. A missing EOS is an
-  error (generation could never stop); a missing pad falls back to the EOS (padding is masked
-  everywhere and `decode` stops at the EOS first); a missing BOS gives `bos_id = None` (Qwen
-  checkpoints have none).
-- Special tokens around a prompt come from the tokenizer itself, never from `bos_id`:
-  `encode_prompt(text)` is tokenizer.json's post-processor applied to the text (a Llama-style
-  TemplateProcessing adds the BOS; SmolLM2's and Qwen's add nothing, though SmolLM2 names a BOS),
-  or, for a tokenizer made with `chat=True`, the chat template rendered for one user message and
-  parsed without the post-processor (as transformers' `apply_chat_template` tokenizes; the
-  template writes its own BOS when it wants one).
-- `encode(text)` treats special-token strings in the text as plain text, so user text cannot
-  inject an EOS or a chat-role marker (the CharTokenizer contract). `encode(text,
-  special=True)` parses them: that is what rendered chat templates need.
-- `stop_ids`: the EOS plus the `eos_token_id`s of generation_config.json (chat models stop on
-  more than one token).
-- Chat templates (tokenizer_config.json `chat_template`, chat_template.jinja or
-  chat_template.json) are rendered like transformers renders them: a sandboxed jinja2
-  environment with trim_blocks, lstrip_blocks and loop controls, `raise_exception`, and the
-  special tokens as variables.
+`HFTokenizer`, backed by the `tokenizers` library, provides exactly the `Tokenizer` protocol of
+birkhoff/tokenizer.py: `pad_id`, `bos_id`, `eos_id`, `stop_ids`, `vocab_size`, `encode`,
+`encode_prompt` and `decode`. Special tokens come from tokenizer_config.json (a missing EOS is
+an error, a missing pad falls back to the EOS); `encode_prompt` applies the tokenizer's own
+post-processor or, with `chat=True`, its chat template rendered as transformers renders it;
+`encode` treats special-token strings as plain text unless `special=True`. The design choices
+one by one are in docs/interop.md.
 Left out: slow (sentencepiece .model) tokenizers, added-token options beyond tokenizer.json.
 """
 

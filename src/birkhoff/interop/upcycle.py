@@ -2,39 +2,12 @@
 
 Legend: S streams, D model dim, P = S*S + 2S coefficient logits, C = S*D.
 
-Why the logits equal the dense model's (derivation, model/hyper.py for the math):
-- The embedding is repeated on every stream, so all S streams start equal to the dense x.
-- Coefficient projections phi are zero, so every coefficient is its static bias (alpha keeps its
-  0.01 init and multiplies a zero logit). For equal streams x_j = x:
-    sublayer input  sum_j H_pre[j] x_j = (sum_j H_pre[j]) x = x   iff sum_j H_pre[j] = 1,
-    stream k output H_post[k] F + sum_j H_res[j,k] x_j = F + x    iff H_post[k] = 1 and the
-                    columns of H_res sum to 1 (any doubly stochastic H_res),
-  so each sublayer is exactly the dense residual step and the streams stay equal to the dense
-  residual stream. H_post = 2 sigmoid(b_post) = 1 needs b_post = 0 (but see the next point);
-  H_pre[j] = sigmoid(b_pre[j]) + eps
-  with b_pre[j] = logit(w_j - eps) and sum_j w_j = 1 gives sum_j H_pre[j] = 1. The output
-  contraction gets the same weights, so it returns x and the final norm and lm_head see the dense
-  hidden state.
-- Sinkhorn's eps makes every column sum of H_res c = s / (s + eps) ~ 1 - 1e-6, not 1: the
-  residual would shrink by c per sublayer, ~6e-5 relative over a 30-layer model, enough to
-  move SmolLM2's logits by ~3e-3. Sublayer n (counted along the residual chain: 2 * layer +
-  (0 attention | 1 MLP)) therefore gets H_post = c^(n+1) instead of 1: with x_n = c^n y_n,
-        x_(n+1) = c x_n + c^(n+1) F(norm(x_n)) = c^(n+1) (y_n + F(norm(y_n))),
-  because the sublayer's RMSNorm does not see the scale. The streams are the dense residual
-  stream y times c^n, and the final RMSNorm removes that factor: what remains is rounding.
-  c is computed by the model's own `sinkhorn` in fp32 on the static logits. The streams stay
-  equal, so the contraction and the MTP depths (whose input norms drop the scale) see them as
-  before.
-- Symmetry breaking: the weights w are not uniform. The sublayer's home stream gets
-  w = 1 - (S-1) r and the others r (r = 0.05), and the home stream rotates with the sublayer
-  (block.py). The gradient reaching stream j through a sublayer input is H_pre[j] times the
-  input's gradient, so streams receive different gradients from the first step, and phi, b_post
-  and b_res (the published 6I - 3) then make the streams differ. Uniform w with a symmetric
-  H_res would keep every stream identical forever (permutation symmetry).
-- MTP depth k (DeepSeek-V3 layout, model/mtp.py): its block copies the dense model's last layer,
-  its head norm copies the final norm, both input norms are ones and the projection W_k = [I | 0]
-  passes the normed hidden half through and ignores the embedding half at init; training moves
-  W_k's embedding half (its gradient is non-zero) so the depth learns to use the next token.
+The embedding is repeated on every stream and phi is zero, so every coefficient is its static
+bias; the biases are set so that each sublayer is the dense residual step (sum_j H_pre[j] = 1,
+H_post compensating Sinkhorn's eps per sublayer) and the final norm sees the dense hidden state.
+Non-uniform stream weights with a rotating home stream break the streams' symmetry. MTP depth k
+copies the dense last layer and final norm, with W_k = [I | 0] ignoring the embedding at init.
+The derivation is in docs/interop.md; the math in model/hyper.py.
 """
 
 from __future__ import annotations

@@ -2,30 +2,13 @@
 
 Legend: N rows of activations, X input features, Y output features, G = ceil(X/128) groups.
 
-y = x W^T with W stored as e4m3 codes plus one fp32 `scale_inv` per 128x128 block (engine
-weights with quantize="fp8"). One X tile of the kernel is one 128-group, so a weight scale is
-one scalar per tile. Reads of W are one byte per weight, half of bf16, which is what
-memory-bound decode pays for. The two modes of `fp8_linear`:
-- fp8 x fp8 (more than CONFIG["WEIGHT_ONLY_ROWS"] rows: prefill, large batches): the
-  activation is quantized first with one scale per row and 128-group of X
-  (`quantize_activation`: amax / 448, as the weights), then
-      y[n, y] = sum_g  a_scale[n, g] * w_scale[y // 128, g] * sum_{x in g} qa[n, x] qw[y, x]
-  with fp8 x fp8 tensor-core dots accumulated in fp32 (twice bf16's tensor rate). Two launches.
-- weight-only (up to WEIGHT_ONLY_ROWS rows: decode, verify and draft passes of small batches):
-  the codes are widened in registers to the activation's dtype (exact: e4m3 fits in bf16, fp16
-  and fp32) and multiplied with the activation as it is,
-      y[n, y] = sum_g  w_scale[y // 128, g] * sum_{x in g} x[n, x] qw[y, x]
-  One launch and no activation rounding; at tens of rows the product is not what bounds the
-  matmul (the weight stream and the launches are), so fp8's tensor rate buys nothing there;
-  at a few hundred it does (docs/log/kernels.md).
-  The CPU reference of this mode is the dequantizing path itself, up to the fp32 sums' order.
-
-Reference: `fp8_linear_reference` computes either formula from the dequantized operands in
-fp32; the kernel matches it to fp32 accumulation order. The engine's CPU path (linear.py)
-dequantizes W and keeps the activation unquantized; the fp8 x fp8 mode differs from it by the
-activation's e4m3 rounding (relative 2^-4 per element at most). Runs where Triton has fp8
-dots: CUDA devices of compute capability >= 8.9 (Hopper), and the Triton interpreter
-(TRITON_INTERPRET=1, tests). Left out: split-K for very small Y, autotuning.
+y = x W^T with W stored as e4m3 codes plus one fp32 `scale_inv` per 128x128 block. `fp8_linear`
+quantizes the activation per row and 128-group and uses fp8 x fp8 dots above
+CONFIG["WEIGHT_ONLY_ROWS"] rows, and widens the codes in registers (weight-only) below it.
+`fp8_linear_reference` computes either formula from dequantized operands in fp32. Runs where
+Triton has fp8 dots: CUDA compute capability >= 8.9 and the Triton interpreter. The formulas and
+the choice of modes: docs/engine.md.
+Left out: split-K for very small Y, autotuning.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def sinkhorn(logits_SS: Tensor, iters: int, eps: float = MHC_EPS) -> Tensor:
 
     The normalisations run with the matrix entries leading ([S, S, N], N = every leading index,
     `SinkhornSteps`): each sum and division is then a few ops on contiguous length-N vectors
-    instead of ops over many S-wide rows, ~10x faster on CPU for the [B,T,4,4] of a layer, and
+    instead of ops over many S-wide rows, much faster on CPU (docs/mhc.md), and
     a sum over S entries adds them in order, as the row-major form does for S <= 4 (equal to
     the last bit there; for larger S the two may round differently).
     """

@@ -6,20 +6,11 @@ Legend: B batch, T tokens, D model dim, V vocab; X positions of the batch flatte
 
     z = (h W^T) / temperature,   logp = z[target] - logsumexp(z),   argmax = argmax(z)
 
-`token_logprobs` is the one place the trainer turns hidden states into token scores: the main
-head's logprobs (GRPO ratio, KL, the supervised loss), every MTP depth's loss (the depths share
-the lm_head) and teacher-forced accuracy (the argmax). It is a fused linear + log-softmax in the
-manner of Liger's fused linear cross entropy, written in torch: the forward takes
-`chunk_tokens` rows of h at a time through the matmul, keeps each row's logsumexp, its target's
-logprob and its argmax, and drops the chunk's logits; the backward recomputes them chunk by
-chunk, forms dlogp/dz = (onehot(target) - softmax(z)) / temperature in place, and accumulates
-dW in >= fp32 across chunks. So the head's memory beyond its inputs is O(chunk x V) transient
-plus O(B*T) saved, where the plain path holds [B*T, V] logits, their fp32 log-softmax and its
-gradient. Under autocast the matmuls run in the autocast dtype (as `F.linear` would) and the
-softmax in fp32; logits are rounded to that dtype first, exactly as the plain path's were.
-Runs eagerly (no host sync, so CUDA graphs capture it); FSDP2 sees the head's weight used inside
-the root's forward as before. `logprob_path(unchunked=True)` selects the plain autograd path
-(full logits, fp32 log-softmax): the reference the tests and benchmarks/grpo_memory.py compare.
+`token_logprobs` is the one place the trainer turns hidden states into token scores (the main
+head's logprobs, every MTP depth's loss, teacher-forced accuracy): a fused linear + log-softmax
+in torch that keeps per token only the logsumexp, the target's logprob and the argmax, and
+recomputes each chunk's logits in backward. `logprob_path(unchunked=True)` selects the plain
+autograd path, the reference. Memory and numerics under autocast: docs/grpo.md.
 """
 
 from __future__ import annotations

@@ -3,35 +3,12 @@
 Legend: B batch, T tokens, D model dim, E experts, F expert hidden (2F: gate and up rows fused),
 R experts per token, Q routed (token, expert) pairs = B*T*R.
 
-Routing (DeepSeek-V3, arXiv 2412.19437, eqs. 12-16):
-    s = sigmoid(x W_r^T)                     affinities, in >= fp32 with autocast off
-    selected = top-R of (s + b)              b: per-expert bias, used for selection only
-    g = s[selected] / sum(s[selected])       gates over the selected experts, times route_scale
-    y = shared(x) + sum_r g_r expert_{selected_r}(x)
-The bias is a buffer, not a parameter: `update_router_bias(model)` (called by the trainer after
-the optimizer step) moves it by -gamma * sign(load - mean load), from the load the last training
-forward observed. The load is written in place into a preallocated buffer (overwrite, never
-accumulate), so the rerun of a recomputed forward, which routes the same tokens identically,
-records the same numbers again instead of counting them twice, and nothing the forward allocates
-stays referenced by the module.
-
-The optional sequence-wise balance loss (eqs. 17-20) is delivered without touching the model's
-loss: `_BalanceLossGrad` passes the layer output through unchanged and, in backward, feeds the
-gradient `balance_loss_weight` into the aux loss's graph, so `loss.backward()` gives exactly the
-gradient of loss + weight * aux. Its value is kept, detached, in a buffer for logging.
-
-Experts are stored stacked: `experts.w_gate_up` [E, 2F, D] (gate rows then up rows) and
-`experts.w_down` [E, D, F], the layout the engine serves as is. Shared experts are one SwiGLU of
-width num_shared_experts * F, stored fused the same way (`shared.w_gate_up`, `shared.w_down`).
-Two exact-equivalent expert computations:
-- `experts_loop`: a Python loop over experts (index, SwiGLU, un-permute); the CPU path and the
-  reference.
-- `experts_grouped`: tokens sorted by expert, two grouped GEMMs (`torch.nn.functional.grouped_mm`,
-  `torch._grouped_mm` on older torch) with per-expert offsets, no loop and no host sync on the
-  bf16 fast path; used on CUDA when dtypes and 16-byte strides allow it.
-Both write each routed pair's output to its (token, slot) place and sum the R slots in slot
-order, so they differ only by matmul rounding. Left out: capacity limits and token dropping
-(every routed token is computed), node-limited group routing, expert parallelism.
+Sigmoid affinities, top-R selection on affinity + a per-expert bias buffer (moved after each
+optimizer step by `update_router_bias`), gates normalised over the selected experts, plus shared
+experts. The optional sequence-wise balance loss reaches the gradient through `_BalanceLossGrad`.
+Experts are stored stacked ([E, 2F, D], [E, D, F]); `experts_loop` (CPU, reference) and
+`experts_grouped` (grouped GEMMs on CUDA) compute the same outputs. Details: docs/moe.md.
+Left out: capacity limits and token dropping, node-limited group routing, expert parallelism.
 """
 
 from __future__ import annotations

@@ -6,14 +6,9 @@ Depth k = 1..M at position i predicts token t_{i+k+1} from
     h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))]   (per stream, W_k: D x 2D)
     h_k  = Block_k(h'_k)                                     (one mHC block)
     logits = lm_head(Norm_k(Contract_k(h_k)))                (own contraction + norm, shared head)
-with h_0 the decoder's *multistream* output [B,T,S,D], never the contracted [B,T,D] hidden state:
-losing the stream axis on the way is the bug this module refuses with a ValueError.
-
-Label convention: `labels` are the input ids; the shift happens here. The main head at position i
-predicts labels[i+1] (shift 1), depth k predicts labels[i+k+1] (shift k+1). Targets and the loss
-mask are rolled by the same shift and the last `shift` positions are masked, so nothing wraps
-around and nothing is shifted twice. Loss is a per-token mean with the count clamped to >= 1
-(an all-masked batch gives 0, not NaN).
+with h_0 the decoder's multistream output [B,T,S,D] (a contracted input is a ValueError).
+`labels` are the input ids and the shift happens here (main head 1, depth k k+1), targets and
+mask rolled together; the loss is a per-token mean (0 for an all-masked batch). See docs/mhc.md.
 """
 
 from __future__ import annotations

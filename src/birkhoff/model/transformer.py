@@ -2,17 +2,12 @@
 
 Legend: B batch, T tokens, S streams, D model dim, V vocab, M MTP depth.
 
-Data contract: `decoder()` returns both the contracted hidden state [B,T,D] (normed, ready for
-lm_head) and the pre-contraction multistream [B,T,S,D]; the MTP depths consume the multistream.
-`forward()` without labels returns the main head's logits [B,T,V]. With labels (the input ids;
-shifts happen inside, see mtp.py) it returns the main next-token loss, one loss per MTP depth,
-and the main head's per-position logprob of the next label and argmax, all through
-`model.logprobs.token_logprobs` (chunked over tokens): the [B,T,V] logits are never formed, so
-`logits` is None. `temperature` divides the main head's logits for `logp` and the main loss (a
-GRPO update scores the sampled tokens under the rollout's temperature); MTP losses stay at 1.
-
-Recompute is not the model's business: `birkhoff.train.recompute.apply_recompute` wraps every block
-and every MTP depth (its merge and block as one unit) from outside, keeping every parameter name.
+`decoder()` returns the contracted hidden state [B,T,D] and the multistream [B,T,S,D] the MTP
+depths consume. `forward()` without labels returns the main head's logits [B,T,V]; with labels
+(the input ids, shifted inside: mtp.py) it returns the main loss, one loss per MTP depth and the
+main head's logprob and argmax per position, all through `model.logprobs.token_logprobs`, so
+`logits` is None. `temperature` scales the main head only. Recompute is applied from outside
+(`birkhoff.train.recompute.apply_recompute`), keeping every parameter name. See docs/mhc.md.
 """
 
 from __future__ import annotations

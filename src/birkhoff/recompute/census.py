@@ -1,18 +1,11 @@
 """Census of activation storage: what the last tracked forward allocated that is still alive.
 
-After backward, every activation of a step should be gone; storages that stay alive are held by
-references autograd does not know about (module attributes, Python lists, closures), i.e. leaks
-that last until the next step overwrites them. `census()` counts them from the weak references
-the registry took when the forward allocated each storage (a storage resized to 0 bytes does not
-count). Given the model, it also names the module attributes that hold tensors (outside
-parameters and buffers), with their bytes: that is where such leaks usually live, including
-tensors stashed while a checkpoint was recomputed in backward, which the forward never saw.
-The census reports; it frees nothing (a holder may still read what it holds).
-
-`PeakLiveBytes` is a measuring tool for CPU benchmarks: a dispatch mode that tracks the bytes of
-every storage an op inside it creates (not the aliases it returns of its inputs' storages) and
-reports the peak of the live total, re-reading sizes after every op so storage freed by
-`resize_(0)` is seen at once.
+After backward every activation of a step should be gone; storages still alive are held by
+references autograd does not know (module attributes, lists, closures). `census()` counts them
+from the registry's weak references and, given the model, names the module attributes that hold
+tensors with their bytes. It reports and frees nothing. `PeakLiveBytes` is a dispatch mode for
+CPU benchmarks that reports the peak of the live bytes of storages its ops create. Details:
+docs/recompute.md.
 Left out: storages allocated during backward (recomputed activations) are not in the census.
 """
 

@@ -1,35 +1,14 @@
 """Activation recompute: tensors saved inside `fn` become slots that a rerun fills in backward.
 
-`checkpoint(fn, *args, reclaim=..., name=...)` runs `fn(*args)` with autograd on, under
-saved-tensor hooks that hand every node an empty `_Slot` instead of the tensor it saves. The
-graph is fn's own graph, so values that leave fn through a side channel (a router loss appended
-to a list) keep their gradients, `torch.autograd.grad` works, and every gradient comes from the
-same nodes as without recompute. The first time backward unpacks a slot, fn reruns with the
-forward's RNG states and autocast settings, and the tensors the rerun saves fill the slots that
-are still alive, in order; the rerun stops after the last live slot. A slot gives its tensor
-away when it is unpacked. This is how `torch.utils.checkpoint`'s non-reentrant mode works; it is
-written here so the checkpoint's own references are explicit and `reclaim` can act on them.
-
-`reclaim` says when the checkpoint gives up its references to its inputs:
-- "never": when the checkpoint's last node is freed; a second backward (`retain_graph=True`)
-  reruns fn again;
-- "safe": right after the rerun, which is the last moment the checkpoint reads them; a second
-  backward through it raises and says so. Nothing is freed: the storage dies when its last
-  holder does, so a tensor someone else still holds (the caller, a module attribute, a hook, a
-  pending node) stays intact;
-- "always": every input storage is `resize_(0)`-ed when the checkpoint's last node is freed
-  (after its backward), whoever still holds it. This is the unconditional free that corrupts
-  mHC + MTP; it is kept only to reproduce that bug in tests and benchmarks.
-
-Ownership (why nothing forms a cycle or pins memory):
-- Nodes hold slots and the frame's unpack hook; the frame holds fn, the inputs, the RNG state
-  and weak references to its slots, never an output or a node.
-- The rerun's graph is discarded: its nodes save nothing, and its inputs are `rerun_alias`
-  tensors whose only graph edge leads to a 0-byte anchor. A tensor the rerun leaves behind (an
-  MoE layer stashing recomputed tokens on `self`) therefore holds its own storage and nothing of
-  the checkpoint: not the input storage, and no `.grad` of a detached input.
+`checkpoint(fn, *args, reclaim=..., name=...)` runs fn with autograd on under saved-tensor hooks
+that hand every node an empty slot; the first unpack in backward reruns fn with the forward's RNG
+and autocast state and fills the live slots (as `torch.utils.checkpoint`'s non-reentrant mode,
+written out so the checkpoint's own references are explicit). `reclaim` says when it drops its
+references to its inputs: "never" (with its last node), "safe" (right after the rerun; frees
+nothing someone else holds) or "always" (resize_(0) of every input storage: the unconditional
+free that corrupts mHC + MTP, kept to reproduce that bug). Ownership rules: docs/recompute.md.
 Left out: nested checkpoints rerun the inner one inside the outer rerun (correct, not minimal);
-fn must save the same tensors (shape, dtype, device) on the rerun as in the forward.
+fn must save the same tensors on the rerun as in the forward.
 """
 
 from __future__ import annotations

@@ -3,18 +3,11 @@
     import birkhoff.recompute.hf
     birkhoff.recompute.hf.enable(model, reclaim="safe")  # not activation_checkpointing_enable()
 
-transformers runs each decoder layer whose `gradient_checkpointing` flag is set (in training
-mode) as `model._gradient_checkpointing_func(partial(Layer.forward, layer, **kwargs), *args)`.
-`enable` sets the flag and the function through the model's own `_set_gradient_checkpointing`,
-where `activation_checkpointing_enable` (`gradient_checkpointing_enable` before transformers 5)
-ends, so every layer transformers would checkpoint is checkpointed, nothing else changes, and
-the model's own `activation_checkpointing_disable()` undoes it.
-Each checkpoint is labelled with the layer's qualified name ("model.layers.3").
-
-Design choices: the checkpoint keeps each layer's graph (side outputs such as router logits for
-the auxiliary loss keep their gradients) and needs no `enable_input_require_grads`, unlike the
-reentrant mode transformers used to default to. transformers is not imported here: the model is
-duck-typed, so the runtime does not depend on it.
+`enable` sets each decoder layer's `gradient_checkpointing` flag and checkpoint function through
+the model's own `_set_gradient_checkpointing`, so every layer transformers would checkpoint is
+checkpointed (labelled "model.layers.3", ...) and `activation_checkpointing_disable()` undoes it.
+The model is duck-typed: transformers is not imported here. Details: docs/recompute.md.
+Left out: checkpointing anything transformers would not (embeddings, heads).
 """
 
 from __future__ import annotations

@@ -3,22 +3,12 @@
     import birkhoff.recompute.megatron as bm
     bm.patch()        # once, before training; bm.unpatch() restores megatron's own backward
 
-megatron-core's `tensor_parallel.random.CheckpointFunction` (full recompute of transformer
-layers and of MTP layers) is reentrant: backward reruns the function on
-`detach_variable(inputs)`, leaves that require grad, backpropagates through the rerun and
-returns the leaves' `.grad`. An MoE layer that stashes a recomputed tensor on `self` keeps, via
-that tensor's graph, the leaf (the input's whole storage) and its `.grad` alive until the next
-step. RL stacks patch the backward to `untyped_storage().resize_(0)` every input afterwards,
-which also frees storage that other pending nodes read: MTP's input is the decoder output that
-the final layer norm saved, and MTP's backward runs first.
-
-`patch(mode="safe")` installs `make_backward(random)`: the same backward (RNG tracker states,
-`distribute_saved_activations`, the checkpointing flag, `_is_checkpoint_valid`) except that the
-rerun's inputs are `rerun_alias(x, sink)` tensors (see rerun.py): the input gradient lands in a
-`GradSink` that is emptied when it is handed back, and a stashed tensor's graph reaches only a
-0-byte anchor. Nothing is freed; each storage dies with its last holder. `mode="always"`
-reproduces the stacks' unconditional free (for comparisons and the sanitizer only).
-megatron is imported only when `patch` is called.
+`patch(mode="safe")` installs megatron's reentrant backward unchanged except that the rerun's
+inputs are `rerun_alias` tensors (rerun.py): the input gradient lands in a `GradSink` emptied
+when handed back, and a tensor an MoE layer stashes reaches only a 0-byte anchor. Nothing is
+freed; `mode="always"` reproduces the RL stacks' unconditional `resize_(0)` for comparisons.
+megatron is imported only when `patch` is called. Why the stock and stacks' backward pin or
+corrupt memory: docs/recompute.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Which storages pending autograd nodes still read, which the forward allocated, what died.
 
 A `StorageRegistry` is the bookkeeping behind `track_saved_storages()`. It decides nothing about
-freeing (a checkpoint with reclaim="safe" only drops its own references, see checkpoint.py); it
-lets the sanitizer and the census say what happened to a storage:
-- pending readers: saved-tensor hooks wrap every tensor saved outside checkpoints in a
-  `SavedRef` holder, counted per storage until autograd drops the holder (its node ran, or the
-  graph died). The sanitizer checks each holder when its node unpacks it.
-- forward allocations: a `TorchDispatchMode` notes every storage an op creates while grad mode
-  is on (outside checkpoints; a checkpoint notes its own outputs), so the census knows which
-  storages are this step's activations, as opposed to parameters, buffers or user inputs.
-- releases and frees: the storages a checkpoint released (reclaim="safe") with its label, and
-  those it freed (reclaim="always"), so errors and the census can name the checkpoint.
-
-Design choices:
-- Storage identity is `untyped_storage()._cdata`: every alias (view, chunk, detach, `.data`,
-  `set_`, as_strided) shares it, while `data_ptr()` differs per view and `_base` misses `.data`
-  and `set_`. Liveness is a `StorageWeakRef`: it expires exactly when no tensor, view or storage
-  object anywhere holds the storage any more.
-- With hooks active autograd skips its in-place check, so the holder records `_version` at pack
-  time and unpack compares.
+freeing; it lets the sanitizer and the census say what happened to a storage: pending readers
+(every tensor saved outside checkpoints wrapped in a `SavedRef`), forward allocations (noted by a
+`TorchDispatchMode` while grad mode is on) and the storages a checkpoint released or freed, with
+its label. Storage identity is `untyped_storage()._cdata` and liveness a `StorageWeakRef`; the
+holder records `_version` because autograd skips its in-place check under hooks. Details:
+docs/recompute.md.
 Left out: tensors without storage (sparse, nested) are saved untracked.
 """
 

@@ -1,19 +1,12 @@
 """Inputs for a recompute that pin nothing: aliases whose graph leads to a 0-byte anchor.
 
-Recompute implementations traditionally rerun a function on `x.detach().requires_grad_()`: a
-leaf. Its `AccumulateGrad` node holds the leaf, so any tensor the rerun leaves behind (an MoE
-layer that stashes recomputed tokens on `self`) keeps, through its `grad_fn`, the input's whole
-storage alive, and after a backward through the rerun also the leaf's `.grad`. The work-around
-in the wild frees the input storage unconditionally, which breaks every other reader of it.
-
-`rerun_alias(x)` returns a tensor on x's storage that requires grad like x, made by
-`_RerunAlias`, a node that saves nothing and whose only input edge goes to a module-level empty
-anchor. A stashed recomputed tensor then reaches the anchor (0 bytes) and nothing else. With a
-`GradSink`, backward through the rerun delivers the input gradient into the sink instead of a
-`.grad` attribute; the caller takes it out once and the sink is empty again: the reentrant
-recompute's "release the detached inputs' .grad once the input gradient is handed back",
-without a leaf anyone could keep. The alias itself is an ordinary tensor: whoever keeps it keeps
-the storage, as they should (that is a reader, not a leak to free).
+A rerun on `x.detach().requires_grad_()` makes a leaf whose `AccumulateGrad` node lets any tensor
+the rerun leaves behind (an MoE layer stashing recomputed tokens) keep the input's storage and
+`.grad` alive. `rerun_alias(x)` returns a tensor on x's storage made by `_RerunAlias`, a node
+that saves nothing and whose only input edge leads to an empty anchor; with a `GradSink` the
+input gradient lands in the sink, emptied when the caller takes it. The alias itself is an
+ordinary tensor: whoever keeps it keeps the storage, as they should. Why: docs/recompute.md.
+Left out: freeing anything (storage dies with its last holder).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Use-after-free detection for reclaimed activation storage.
 
 Inside `sanitize()`, every tensor saved under `track_saved_storages()` is checked when its
-autograd node unpacks it, i.e. when the node starts to run and before any kernel reads it. A
-storage that was freed (size 0 while it had bytes at save time) raises `UseAfterFreeError`
-naming the node (`torch._C._current_autograd_node()`), the module whose forward saved the
-tensor and the checkpoint that freed the storage.
-
-Design choices:
-- The module scope is recorded at pack time by global module forward hooks, installed only
-  while sanitizing, so the error can say "saved in 'contraction'" rather than only
-  "BmmBackward0". Names are qualified names relative to the outermost module being run.
-- Checking at unpack instead of with a pre-hook on every node costs nothing for nodes that save
-  nothing, and sees exactly the tensors the node is about to read.
+autograd node unpacks it, before any kernel reads it. A freed storage (size 0 while it had bytes
+at save time) raises `UseAfterFreeError` naming the node, the module whose forward saved the
+tensor (recorded by global forward hooks installed only while sanitizing) and the checkpoint
+that freed the storage. Checking at unpack costs nothing for nodes that save nothing. Design
+choices: docs/recompute.md.
 Left out: nodes whose tensors were saved outside `track_saved_storages()` are not checked, and
 reads of freed storage outside autograd (module attributes, Python lists) cannot be seen.
 """

@@ -1,21 +1,12 @@
 """Packing a model's weights into buckets in the engine's layout, cast or fp8-quantized.
 
-`refit_layout(cfg, manifest, bucket_bytes)` is a pure function, memoised: where every served
-tensor goes (`place`), and per bucket the copy program (which trainer Parameters are cast into
-which whole tensors, which fp8 weights are quantized straight into the bucket, which chunks
-come from a temporary). Nothing in it refers to a model object, so it cannot go stale: on every
-refit the sources are looked up by name (`RefitLayout.sources`, which also checks their shapes)
-and the program runs on them.
-
-`Bank`: buffers for one layout with every view the program writes and the receiver serves,
-made once. Who may reuse a bank is the transport's business (refit/transport.py): in process
-the engine serves a bank's views, so a bank is reused only while the engine does not serve it.
-
-The fast paths: a bf16 (or fp32) tensor is one `copy_` of each trainer part into its slice of
-the bucket with the cast fused in, all copies of a bucket issued by one `torch._foreach_copy_`;
-an fp8 weight is quantized by one kernel (engine/fp8.py) writing codes and scales straight into
-the bucket. Only tensors larger than a bucket, or fp8 codes whose scales land in another
-bucket, are made whole in a temporary first and copied in byte chunks.
+`refit_layout(cfg, manifest, bucket_bytes)` is a pure, memoised function: where every served
+tensor goes and each bucket's copy program. It refers to no model object, so it cannot go stale;
+each refit looks the sources up by name (`RefitLayout.sources`, shapes checked). `Bank` holds
+the buffers of one layout with every view the program writes, made once (who may reuse it is
+the transport's business). A bf16 tensor is one fused-cast `copy_` per trainer part, a bucket's
+copies one `torch._foreach_copy_`; an fp8 weight is quantized straight into the bucket; only
+tensors larger than a bucket go through a temporary. Details: docs/refit.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """RefitSession: stage buckets, check completeness once, commit atomically.
 
-Protocol: `begin()` -> `load_bucket(bucket)` any number of times, in any order, with any bucket
-size -> `finish(check_finite=False)` (or `abort()`). Buckets are staged, never written into the
-live weights, so generation keeps using the previous version throughout.
-
-The completeness check runs exactly once per update (`check`, called by `finish`, or by the
-two-phase finish of a distributed refit before `commit`), against `engine.manifest()`: every
-manifest name arrived exactly once (no overlapping chunk), fully covered, with the manifest's
-shape and dtype, nothing unexpected arrived and, with `check_finite=True`, every floating tensor
-is finite. A stacked tensor ([E, ...], an MoE layer's experts) that arrived in part is named
-per expert whose bytes are missing ("layers.3.mlp.experts.w_down expert 17"). A per-bucket
-check cannot work (a bucket holding no MTP weight is not an incomplete update) and a check that
-is switched off lets a missing weight through; this is the one place it belongs. On any failure
-`RefitError` lists every problem by name and the engine keeps its weights and `weight_version`;
-on success `engine.commit_weights` swaps the whole dict and bumps the version.
-
-Design choices: a bucket handed to `load_bucket` belongs to the session from then on, so its
-whole tensors are staged as views of its buffer (an in-process refit moves every byte once:
-trainer -> bucket with the cast fused in; a broadcast receives straight into the memory the
-engine will serve); only chunks of tensors larger than a bucket are copied into a staging tensor
-allocated from the chunks' own metadata, so an unexpected or mis-shaped tensor is still staged
-and reported precisely rather than crashing a copy. The finiteness flags of all tensors are
-reduced on the device and read back with one host sync.
+Protocol: `begin()` -> `load_bucket(bucket)` any number of times, in any order -> `finish()` (or
+`abort()`). Buckets are staged, never written into the live weights, so generation keeps using
+the previous version. `check` runs once per update against `engine.manifest()` (every name
+exactly once, fully covered, right shape and dtype, nothing unexpected, optionally finite); on
+failure `RefitError` lists every problem and the engine keeps its weights, on success
+`engine.commit_weights` swaps the whole dict. A bucket belongs to the session once loaded, so
+whole tensors are staged as views of it. Why the check lives here only: docs/refit.md.
 Left out: detecting a concurrent commit by another session (single writer assumed).
 """
 

@@ -1,31 +1,14 @@
 """Transports: how buckets travel from the trainer to the engine's RefitSession.
 
-A transport is the sender's view of a remote (or local) session: `begin`, `manifest`, `send`,
-`finish`, `abort`, the `device` on which the sender builds its buckets, and `bank(layout)`: the
-bucket memory the sender writes next. Each transport owns that memory by a rule it can prove:
-
-- `InProcessTransport`: trainer and engine in one process. `send` hands the bucket itself to the
-  session, which serves its whole tensors as views (zero-copy). So the engine owns the bank of
-  the version it serves; the next refit writes a bank the engine does not serve (an identity
-  check of one committed tensor, `engine.committed`, against the bank's view), which in steady
-  state alternates between two banks per engine with no allocation. Ownership rule for
-  everyone else: tensors of version n stay intact until the engine commits version n+2 (clone
-  what you keep longer); refits and generate calls come from one thread, and on CUDA one
-  stream orders a refit's copies after the kernels that read the bank before.
-- `BroadcastSender` / `serve_refit`: one trainer rank broadcasts to engine ranks through
-  `torch.distributed` (gloo on CPU, nccl on GPU). Control messages and bucket metadata go through
-  `broadcast_object_list`, the payload through `broadcast` of the uint8 buffer. The manifest comes
-  from one engine rank (`engine_src`), so the sender never guesses dtypes. The sender's bank
-  cycles two buffers (a bucket's memory is written again two buckets later, after the broadcast
-  that read it); each engine rank receives every bucket into a fresh buffer its session keeps.
-
-Commit across engine ranks is two-phase: on `finish` every engine rank checks its staged update,
-all ranks (the sender included) exchange the verdicts with `all_gather_object`, and only if every
-rank passed does each commit (without checking again); otherwise every rank aborts and raises
-the same `RefitError`. So a replica never serves a version that another replica rejected. Left
-out: point-to-point or RDMA transfer, sending the bucket metadata once instead of per bucket
-(each control message is a small broadcast the receiver waits for), and recovering from a rank
-that dies mid-session.
+A transport is the sender's view of a session: `begin`, `manifest`, `send`, `finish`, `abort`,
+the `device` it builds buckets on, and `bank(layout)`, the bucket memory it writes next, owned
+by a rule it can prove. `InProcessTransport` hands buckets to the engine zero-copy and alternates
+two banks (tensors of version n stay intact until version n+2 commits); `BroadcastSender` /
+`serve_refit` broadcast from one trainer rank to engine ranks through torch.distributed, with a
+two-phase commit so no replica serves a version another rejected. Ownership and commit rules in
+full: docs/refit.md.
+Left out: point-to-point or RDMA transfer, sending bucket metadata once instead of per bucket,
+recovering from a rank that dies mid-session.
 """
 
 from __future__ import annotations

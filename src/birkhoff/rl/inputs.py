@@ -21,10 +21,16 @@ if TYPE_CHECKING:  # imported when used
 
 
 def run_inputs(
-    preset: Preset, *, init: Path | None = None, data: Path | None = None,
-    verifier: str | None = None, eval_data: Path | None = None, max_new_tokens: int | None = None,
-    task: str | None = None, out: Path | None = None,
-) -> tuple[Preset, dict[str, Any]]:  # fmt: skip
+    preset: Preset,
+    *,
+    init: Path | None = None,
+    data: Path | None = None,
+    verifier: str | None = None,
+    eval_data: Path | None = None,
+    max_new_tokens: int | None = None,
+    task: str | None = None,
+    out: Path | None = None,
+) -> tuple[Preset, dict[str, Any]]:
     """The preset and GRPORun's keyword arguments for a start checkpoint and a JSONL task or a
     generated task (`task`, a name of birkhoff.tasks.problems.TASKS). Without `init`, the
     preset's own `init` is the start (imported into `out`/init when it is not a checkpoint)."""
@@ -41,12 +47,22 @@ def run_inputs(
         chat = task in FREE_TEXT_TASKS or preset.task_options.get("style") == "chat"
         preset, kwargs = init_inputs(Path(init), preset, chat=chat)
     if task is not None:
-        preset = task_inputs(preset, task, tokenizer=kwargs.get("tokenizer"),
-                             fresh_model=init is None, max_new_tokens=max_new_tokens)  # fmt: skip
+        preset = task_inputs(
+            preset,
+            task,
+            tokenizer=kwargs.get("tokenizer"),
+            fresh_model=init is None,
+            max_new_tokens=max_new_tokens,
+        )
     if data is not None:
-        preset, splits = data_inputs(preset, Path(data), verifier=verifier, eval_data=eval_data,
-                                     max_new_tokens=max_new_tokens,
-                                     tokenizer=kwargs.get("tokenizer"))  # fmt: skip
+        preset, splits = data_inputs(
+            preset,
+            Path(data),
+            verifier=verifier,
+            eval_data=eval_data,
+            max_new_tokens=max_new_tokens,
+            tokenizer=kwargs.get("tokenizer"),
+        )
         kwargs.update(splits)
     return preset, kwargs
 
@@ -61,8 +77,10 @@ def init_inputs(init: Path, preset: Preset, *, chat: bool = False) -> tuple[Pres
     if chat and getattr(tokenizer, "chat_template", None) is not None:
         tokenizer = checkpoint_tokenizer(init, chat=True)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"--init {init}: tokenizer has {tokenizer.vocab_size} ids, "
-                         f"the model's vocab_size is {cfg.vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"--init {init}: tokenizer has {tokenizer.vocab_size} ids, "
+            f"the model's vocab_size is {cfg.vocab_size}"
+        )
     assert preset.rl is not None
     drafts = preset.rl.num_speculative_tokens if cfg.mtp_depth else 0  # no MTP, no drafts
     preset = preset.replace(model=cfg, rl=preset.rl.replace(num_speculative_tokens=drafts))
@@ -111,9 +129,13 @@ FREE_TEXT_NEW_TOKENS = 256  # completion room of a chat-style task (reasoning, t
 
 
 def task_inputs(
-    preset: Preset, name: str, *, tokenizer: Tokenizer | None, fresh_model: bool,
+    preset: Preset,
+    name: str,
+    *,
+    tokenizer: Tokenizer | None,
+    fresh_model: bool,
     max_new_tokens: int | None,
-) -> Preset:  # fmt: skip
+) -> Preset:
     """--task NAME: the preset with that generated task, its prompt style chosen for the
     tokenizer (tasks.problems.task_for_tokenizer); without --max-new-tokens, room for the
     longest of 64 sampled answers and its EOS, or FREE_TEXT_NEW_TOKENS for chat prompts. A fresh
@@ -149,18 +171,28 @@ def task_inputs(
 
 
 def data_inputs(
-    preset: Preset, data: Path, *, verifier: str | None, eval_data: Path | None,
-    max_new_tokens: int | None, tokenizer: Tokenizer | None,
-) -> tuple[Preset, dict[str, Any]]:  # fmt: skip
+    preset: Preset,
+    data: Path,
+    *,
+    verifier: str | None,
+    eval_data: Path | None,
+    max_new_tokens: int | None,
+    tokenizer: Tokenizer | None,
+) -> tuple[Preset, dict[str, Any]]:
     """--data FILE.jsonl: train and held-out splits; without --max-new-tokens, room for the
     longest answer and its EOS."""
     from birkhoff.tasks.jsonl import load_jsonl_tasks
     from birkhoff.tokenizer import CharTokenizer
 
     tok = tokenizer or CharTokenizer()
-    splits = load_jsonl_tasks(data, verifier=verifier or "exact", eval_path=eval_data,
-                              seed=preset.train.seed, tokenizer=tok,
-                              max_seq_len=preset.model.max_seq_len)  # fmt: skip
+    splits = load_jsonl_tasks(
+        data,
+        verifier=verifier or "exact",
+        eval_path=eval_data,
+        seed=preset.train.seed,
+        tokenizer=tok,
+        max_seq_len=preset.model.max_seq_len,
+    )
     assert preset.rl is not None
     if max_new_tokens is None:
         longest = max(len(tok.encode(p.answer)) for p in splits.train.problems)

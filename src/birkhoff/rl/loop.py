@@ -4,25 +4,11 @@ One GRPO step:
     rollout (engine, MTP speculative decoding) -> rewards -> group advantages
     -> `updates_per_step` training steps (full recompute + safe reclaim, staleness checked)
     -> refit session (buckets, one completeness check, atomic commit; weight_version += 1)
-The MTP loss stays on (RLConfig.mtp_loss_weight) so the drafter follows the policy; its
-acceptance rate is logged every step.
-
-The warm-up is the supervised loop of `birkhoff train` (`birkhoff.train.loop.supervised_steps`);
-evaluation generates with the engine (`evaluate_generated`): greedy exact match and the sampled
-reward on a fixed held-out set.
-
-Determinism: every random choice is a pure function of (seed, step): problems come from
-`step_rng`, generation is seeded with `sampling_seed(seed, step)` (birkhoff.tasks.problems). With
-the weights, optimizer state and step restored from a checkpoint, a resumed run therefore repeats
-the uninterrupted one exactly (on CPU). Checkpoints are atomic (birkhoff.runtime.checkpoint);
-metrics.jsonl is truncated to the checkpoint's step on resume.
-
-Over N ranks (launched by torchrun, birkhoff.runtime.distributed) the model is sharded with FSDP2
-after the rank's engine is built from it, each rank rolls out its share of the step's prompts
-(whole groups) on its own engine with its own sampling seed, trains on that share with losses
-normalised over the global batch, and refits its engine from the shards. Rank 0 writes
-metrics.jsonl; rewards, acceptance and seconds are reduced over ranks (rl/reduce.py).
-Checkpoints are sharded (birkhoff.runtime.dcp) and resume on any number of ranks.
+The MTP loss stays on so the drafter follows the policy. The warm-up is `birkhoff train`'s
+supervised loop; evaluation generates with the engine (rl/evaluate.py). Every random choice is a
+function of (seed, step), so a resumed run repeats the uninterrupted one (on CPU). Under
+torchrun the model is sharded with FSDP2, each rank rolls out and trains on whole groups and
+refits its engine from the shards. Determinism and the distributed run: docs/grpo.md.
 """
 
 from __future__ import annotations
@@ -113,14 +99,17 @@ def grpo_loss_fn(cfg: RLConfig, reference: nn.Module | None = None) -> LossFn:
         )
         mtp_losses = out.mtp_losses
         if num_ranks > 1:  # each depth's share of its global token mean
-            counts = [shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum()
-                      for k in range(1, len(mtp_losses) + 1)]  # fmt: skip
+            counts = [
+                shift_targets(batch.input_ids, mask_BT, k + 1)[1].sum()
+                for k in range(1, len(mtp_losses) + 1)
+            ]
             mtp_losses = [global_share(x, n) for x, n in zip(mtp_losses, counts, strict=True)]
         mtp_loss = torch.stack(mtp_losses).mean() if mtp_losses else policy_loss * 0
         result: Metrics = dict(metrics)
         # shares times the world size: train_step's mean over ranks is then the global value
-        result.update(policy_loss=policy_loss.detach() * num_ranks,
-                      mtp_loss=mtp_loss.detach() * num_ranks)  # fmt: skip
+        result.update(
+            policy_loss=policy_loss.detach() * num_ranks, mtp_loss=mtp_loss.detach() * num_ranks
+        )
         return policy_loss + cfg.mtp_loss_weight * mtp_loss, result
 
     return loss_fn
@@ -136,18 +125,26 @@ class GRPORun:
     """
 
     def __init__(
-        self, preset: Preset, out_dir: str | Path, *, device: str = "cpu", task: Task | None = None,
-        eval_problems: Sequence[Problem] | None = None, tokenizer: Tokenizer | None = None,
+        self,
+        preset: Preset,
+        out_dir: str | Path,
+        *,
+        device: str = "cpu",
+        task: Task | None = None,
+        eval_problems: Sequence[Problem] | None = None,
+        tokenizer: Tokenizer | None = None,
         init: str | os.PathLike[str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not isinstance(preset.rl, RLConfig):
             raise ValueError(f"preset {preset.name!r} has no RL config (preset.rl is None)")
         self.preset, self.rl, self.device = preset, preset.rl, torch.device(device)
         self.dist = current()
         check_world_size(self.dist.world_size, self.rl.num_prompts, "num_prompts")
         if self.dist.enabled and self.rl.loss.kl_weight > 0:
-            raise ValueError(f"kl_weight={self.rl.loss.kl_weight}: the KL reference is not "
-                             "supported under torchrun; use kl_weight=0")  # fmt: skip
+            raise ValueError(
+                f"kl_weight={self.rl.loss.kl_weight}: the KL reference is not "
+                "supported under torchrun; use kl_weight=0"
+            )
         if self.dist.enabled and self.rl.warmup == "mtp-self-distill":
             raise ValueError(
                 "warmup='mtp-self-distill' is not supported under torchrun: it freezes the main "
@@ -225,8 +222,14 @@ class GRPORun:
         if rl.loss.kl_weight > 0 and self.reference is None:
             self.reference = self.freeze_reference()
         problems = sample_problems(self.task, step_rng(seed, self.step), rl.num_prompts)
-        ro = rollout(self.engine, take(problems, self.dist), self.task, self.tokenizer, rl,
-                     seed=self.rank_seed(sampling_seed(seed, self.step)))  # fmt: skip
+        ro = rollout(
+            self.engine,
+            take(problems, self.dist),
+            self.task,
+            self.tokenizer,
+            rl,
+            seed=self.rank_seed(sampling_seed(seed, self.step)),
+        )
         adv_QW = group_advantages(ro.rewards_QW, normalize_std=rl.normalize_adv_std)
         batch = build_rl_batch(ro, adv_QW, pad_id=self.tokenizer.pad_id).to(self.device)
         metrics, train_s = self.update(batch)
@@ -287,8 +290,9 @@ class GRPORun:
         if not self.eval_problems:
             return {}
         problems = take(self.eval_problems, self.dist)  # each rank evaluates its share
-        ev = evaluate(self.engine, problems, self.task, self.tokenizer, self.rl,
-                      seed=self.rank_seed(0))  # fmt: skip
+        ev = evaluate(
+            self.engine, problems, self.task, self.tokenizer, self.rl, seed=self.rank_seed(0)
+        )
         return eval_metrics(ev, self.device)  # the code of `birkhoff eval` (rl/evaluate.py)
 
     # ------------------------------------------------------------------ checkpoints
@@ -319,13 +323,16 @@ class GRPORun:
         path = self.out / CHECKPOINT_DIR
         if is_sharded_checkpoint(path) != self.dist.enabled:
             kind = "sharded (torchrun)" if self.dist.enabled else "single-process"
-            raise CheckpointError(f"{path}: this run needs a {kind} checkpoint; resume a sharded "
-                                  "one under torchrun, or consolidate it first")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: this run needs a {kind} checkpoint; resume a sharded "
+                "one under torchrun, or consolidate it first"
+            )
         if self.dist.enabled:
             step, extra = load_sharded(path, self.model, self.optimizer, restore_rng=True)[1:3]
         else:
-            step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
-                                          restore_rng=True)[2:4]  # fmt: skip
+            step, extra = load_checkpoint(
+                path, model=self.model, optimizer=self.optimizer, restore_rng=True
+            )[2:4]
         if extra.get("preset") != self.preset.name:
             raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
         self.step = self.checkpoint_step = step
@@ -357,8 +364,12 @@ class GRPORun:
         """
         rows: list[dict[str, Any]] = []
         self.stopped_by = None
-        with Progress(total=self.total_steps, initial=self.step, desc=self.preset.name,
-                      enabled=progress and self.dist.is_main) as bar:  # fmt: skip
+        with Progress(
+            total=self.total_steps,
+            initial=self.step,
+            desc=self.preset.name,
+            enabled=progress and self.dist.is_main,
+        ) as bar:
             steps = self.step_rows()
             while self.step < self.total_steps:
                 self.stopped_by = self.stop_reason(stop, stop_after)
@@ -396,8 +407,9 @@ class GRPORun:
             if self.dist.is_main:
                 self.log.append(r)
         bar.update(self.log.postfix())
-        self.skips.check(row["step"], checkpoint=self.out / CHECKPOINT_DIR,
-                         checkpoint_step=self.checkpoint_step)  # fmt: skip
+        self.skips.check(
+            row["step"], checkpoint=self.out / CHECKPOINT_DIR, checkpoint_step=self.checkpoint_step
+        )
         if self.should_checkpoint():
             self.save()
         return rows

@@ -5,14 +5,10 @@ Legend: B completions, T completion tokens.
     ratio_t = exp(logp_t - logp_rollout_t)
     loss    = -sum_t mask_t min(ratio_t A, clip(ratio_t, 1-eps_low, 1+eps_high) A) / sum_t mask_t
           (+ beta * KL_t to a frozen reference, the k3 estimator exp(d) - d - 1, d = ref - logp)
-The mean is over all completion tokens of the batch (token-level, not per sequence), so long
-and short completions weigh each token equally. The count is clamped to >= 1 (no 0/0).
-Over several ranks the loss divides by `num_tokens`, the count of the whole global batch, so the
-ranks' losses sum to the single-process loss; the metrics stay means over the rank's tokens.
-`logp_rollout` comes from the engine that sampled the tokens (the behaviour policy), so the
-ratio also corrects the engine/trainer numeric mismatch and any staleness within the bound.
-The trainer's `logp` comes from the model (`TransformerOutput.logp`, chunked over tokens by
-`birkhoff.model.logprobs.token_logprobs`), never from a [B,T,V] tensor of logits.
+The mean is over all completion tokens of the (global) batch, so every token weighs the same
+and the ranks' losses sum to the single-process loss. `logp_rollout` comes from the engine that
+sampled the tokens, so the ratio also corrects engine/trainer mismatch and bounded staleness;
+`logp` comes from the chunked `token_logprobs`, never from [B,T,V] logits. See docs/grpo.md.
 """
 
 from __future__ import annotations

@@ -2,19 +2,12 @@
 
 Legend: B batch, T tokens.
 
-An upcycled depth starts as a copy of the last layer behind W_k = [I | 0] (interop/upcycle.py),
-so it predicts token i+k+1 poorly and speculative decoding would accept few drafts. Each warm-up
-step (`self_distill_steps`):
-    train.batch_size task prompts of the step (`step_rng(seed, step)`, framed as the rollouts
-    frame them) -> the engine's greedy completions (plain decoding: the drafter is what is being
-    trained) -> prompt + completion, the loss mask on the completion -> the mean MTP loss over
-    the depths, every parameter outside the depths frozen.
-Why the main model is frozen: the policy GRPO starts from is then exactly the imported model
-(its held-out accuracy is the pretrained model's), and the targets stay its own outputs for the
-whole warm-up. Greedy targets teach depth k the main model's argmax k+1 tokens ahead: what greedy
-speculative decoding accepts; for sampled rollouts they are an approximation of the main model's
-distribution. The engine keeps serving the unchanged main weights; the loop refits it when the
-warm-up ends, which hands the trained depths to the drafter.
+An upcycled depth starts as a copy of the last layer (interop/upcycle.py) and drafts poorly.
+Each warm-up step (`self_distill_steps`) takes the step's task prompts, lets the engine complete
+them greedily (plain decoding), and trains the mean MTP loss over the depths on prompt +
+completion with every parameter outside the depths frozen, so the policy GRPO starts from is
+exactly the imported model. The loop refits the engine when the warm-up ends. Why greedy
+targets and a frozen main model: docs/grpo.md.
 Left out: data parallel (a frozen subset under FSDP2), soft targets from the main head.
 """
 

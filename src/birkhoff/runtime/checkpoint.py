@@ -1,27 +1,13 @@
 """Atomic, verified checkpoints: safetensors weights + config JSON + optimizer + RNG + manifest.
 
-A checkpoint is a directory:
-    model.safetensors   trainer-layout weights (each shared tensor stored once, see `aliases`)
-    config.json         ModelConfig.to_json()
-    optimizer.pt        optimizer.state_dict() (torch.save; loaded with weights_only=True)
-    rng.pt              python / torch CPU / torch CUDA RNG states
-    meta.json           step, user `extra` (JSON), aliases, versions
-    manifest.json       sha256 and byte size of every file above, written last
-Design choices:
-- Every file is written atomically (temp file in the same dir, fsync, os.replace) into a fresh
-  temp directory next to the target; the manifest is written last and the directory is then
-  renamed into place. A reader therefore sees either no checkpoint or a complete one, and a
-  directory without a valid manifest is never loaded. Replacing an existing checkpoint moves the
-  old one aside first (POSIX cannot atomically replace a non-empty directory); a crash between
-  the two renames leaves the old checkpoint at `.NAME.old-*`, never a half-written one at NAME.
-- `load_checkpoint` verifies size and sha256 of every file before parsing any of them and raises
-  `CheckpointError` (a ValueError) naming the file: missing, truncated, corrupted, invalid JSON,
-  invalid config, or weights that do not fit the model.
-- safetensors refuses tensors that share storage (tied embedding/lm_head): each storage is saved
-  once under its first name and the other names are recorded in meta.json `aliases`.
-- Round trip is bit-identical: weights and optimizer state are stored without casts, RNG states
-  are the raw generator states.
-Left out: sharded/distributed checkpoints, async saving, keeping the last-N checkpoints.
+A checkpoint is a directory: model.safetensors (trainer-layout weights, each shared tensor once,
+see `aliases`), config.json, optimizer.pt, rng.pt, meta.json and manifest.json (sha256 and size
+of every file, written last). Files are written atomically into a fresh temp directory that is
+renamed into place, so a reader sees no checkpoint or a complete one; `load_checkpoint` verifies
+every file before parsing any and raises `CheckpointError` naming it. The round trip is
+bit-identical. Design choices in detail: docs/training.md.
+Left out: sharded/distributed checkpoints (dcp.py), async saving, keeping the last-N
+checkpoints.
 """
 
 from __future__ import annotations
@@ -109,8 +95,12 @@ def split_aliases(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str
     aliases: dict[str, str] = {}
     first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()),
-               tuple(tensor.shape), tuple(tensor.stride()))  # fmt: skip
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
         if key in first and tensor.numel() > 0:
             aliases[name] = first[key]
             continue
@@ -136,8 +126,14 @@ def checkpoint_files(
     model: Transformer, optimizer: torch.optim.Optimizer | None, step: int, extra: dict[str, Any]
 ) -> dict[str, bytes]:
     tensors, aliases = split_aliases(model.state_dict())
-    meta = {"format": FORMAT_VERSION, "step": step, "extra": extra, "aliases": aliases,
-            "torch": torch.__version__, "has_optimizer": optimizer is not None}  # fmt: skip
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "extra": extra,
+        "aliases": aliases,
+        "torch": torch.__version__,
+        "has_optimizer": optimizer is not None,
+    }
     try:
         meta_json = json.dumps(meta, indent=2, sort_keys=True)
     except TypeError as err:
@@ -210,8 +206,9 @@ def read_verified(path: Path, manifest: dict[str, dict[str, Any]], name: str) ->
     data = file.read_bytes()
     expected = manifest[name]
     if len(data) != expected.get("bytes"):
-        raise CheckpointError(f"{file}: truncated or padded: {len(data)} bytes, "
-                              f"expected {expected.get('bytes')}")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: truncated or padded: {len(data)} bytes, expected {expected.get('bytes')}"
+        )
     if hashlib.sha256(data).hexdigest() != expected.get("sha256"):
         raise CheckpointError(f"{file}: corrupted (sha256 does not match {MANIFEST_FILE})")
     return data

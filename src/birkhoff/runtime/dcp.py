@@ -1,23 +1,11 @@
 """Sharded checkpoints with `torch.distributed.checkpoint` (DCP), atomic, and consolidation.
 
-A sharded checkpoint is a directory:
-    .metadata, __*_*.distcp   DCP: model and optimizer state, each rank writing its own shards
-    rng-<rank>.pt             the RNG states of every rank
-    config.json               ModelConfig.to_json()
-    meta.json                 step, user `extra`, world size, format; written last
-Design choices:
-- Atomic as the single-file format (birkhoff.runtime.checkpoint): rank 0 makes a fresh temp
-  directory beside the target and broadcasts its name, every rank writes its shards there, and
-  after a barrier rank 0 writes meta.json and renames the directory into place (moving an existing
-  checkpoint aside first). A crash anywhere before the rename leaves the previous checkpoint
-  untouched; a directory without meta.json is never loaded.
-- State comes from `torch.distributed.checkpoint.state_dict.get_state_dict` (fully qualified
-  names, optimizer state keyed by parameter name), so the files do not depend on the number of
-  ranks: loading on another world size reshards model and optimizer state (DCP's planner); the
-  per-rank RNG states are restored only when the world size matches. The same functions work in a
-  single process (no process group) on a plain model.
-- `consolidate` loads the model state into a plain `Transformer` in one process and writes the
-  single-directory safetensors checkpoint that `load_checkpoint` (and `birkhoff generate`) read.
+A sharded checkpoint is a directory: DCP's .metadata and __*_*.distcp (model and optimizer
+state, each rank writing its shards), rng-<rank>.pt, config.json and meta.json (written last).
+Atomic as checkpoint.py: every rank writes into a temp directory that rank 0 renames into place.
+State comes from `get_state_dict` (names, not ranks), so a checkpoint loads on another world size
+(RNG states only when it matches), and in a single process. `consolidate` writes the
+single-directory checkpoint `load_checkpoint` reads. Design choices in detail: docs/training.md.
 Left out: asynchronous saving, keeping the last-N checkpoints.
 """
 
@@ -115,8 +103,14 @@ def save_sharded(
     if step < 0:
         raise ValueError(f"step={step} is invalid: must be >= 0")
     path, (rank, world) = Path(path_dir), _rank_world()
-    meta = {"format": FORMAT, "step": step, "extra": dict(extra or {}), "world_size": world,
-            "has_optimizer": optimizer is not None, "torch": torch.__version__}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "extra": dict(extra or {}),
+        "world_size": world,
+        "has_optimizer": optimizer is not None,
+        "torch": torch.__version__,
+    }
     try:
         meta_json = json.dumps(meta, indent=2, sort_keys=True).encode()
     except TypeError as err:
@@ -161,8 +155,9 @@ def read_sharded_meta(path: Path) -> ShardedCheckpoint:
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path / CONFIG_FILE}: missing")
     cfg = parse_config(path / CONFIG_FILE, (path / CONFIG_FILE).read_bytes())
-    return ShardedCheckpoint(cfg, int(meta["step"]), dict(meta.get("extra", {})),
-                             int(meta["world_size"]))  # fmt: skip
+    return ShardedCheckpoint(
+        cfg, int(meta["step"]), dict(meta.get("extra", {})), int(meta["world_size"])
+    )
 
 
 def checkpoint_extra(path: Path) -> dict[str, Any]:
@@ -197,8 +192,12 @@ def load_sharded(
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as err:  # DCP wraps reader errors of every rank in its own types
         raise CheckpointError(f"{path}: sharded state does not load ({err})") from err
-    set_state_dict(model, optimizer or [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))  # fmt: skip
+    set_state_dict(
+        model,
+        optimizer or [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
     rank, world = _rank_world()
     if restore_rng and world == ck.world_size:
         data = (path / f"rng-{rank}.pt").read_bytes()

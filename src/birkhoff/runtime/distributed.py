@@ -1,28 +1,12 @@
 """Data-parallel training on N processes: torchrun launch, FSDP2 sharding, global reductions.
 
-One process per device, launched by `torchrun` (which sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous); a process started without it runs the plain single-process path and nothing here
-touches it. Everything is `torch.distributed` and FSDP2 (`fully_shard`, `MixedPrecisionPolicy`);
-there is no launcher or collective layer of our own.
-
-Design choices:
-- Launch checks fail on every rank, never as a hang: the checks that need no process group (a CPU
-  run asking for NCCL, more ranks than prompts or rows per step) are pure functions of the
-  command line that every rank evaluates alike; `agree` all-gathers each rank's error (or None)
-  so a problem seen by one rank (a different preset, an output directory it cannot use) stops all
-  of them with the same message.
-- Sharding (`shard_model`): every block, every MTP depth and the root are FSDP units. An MTP
-  depth's own head (contraction + norm) is called by the root outside the depth's forward
-  (`Transformer.mtp_hidden`), so it is a unit of its own, gathered when it runs. Recompute is
-  applied before sharding: it replaces `forward` on the instance, FSDP2 hooks `__call__`, so the
-  gather runs once around the checkpointed forward, the pre-backward gather runs before the
-  rerun, and the names stay the plain model's. A bf16 run on CUDA gathers bf16 parameters and
-  reduces gradients in fp32 (the shards and the optimizer stay fp32); otherwise all is fp32.
-- Same numbers as one process: each rank's loss is its share of the global token mean
-  (`global_share`: local token mean x local count / global count), and FSDP2 averages gradients
-  over ranks, so the loss backpropagated is the share times the world size; one update on N
-  ranks then equals the single-process update on the same global batch.
-- A GRPO group stays on one rank: batches are split by whole prompts (`rank_share`).
+One process per device, launched by `torchrun`; a process started without it runs the plain
+single-process path. Everything is `torch.distributed` and FSDP2 (`fully_shard`,
+`MixedPrecisionPolicy`), with no launcher or collective layer of our own. Launch checks fail on
+every rank with the same message (`agree`), never as a hang; `shard_model` makes every block,
+MTP depth, MTP head and the root FSDP units (recompute is applied before); `global_share` makes
+one update on N ranks equal the single-process update; a GRPO group stays on one rank
+(`rank_share`). Design choices in detail: docs/training.md.
 Left out: tensor/pipeline parallelism, meta-device initialisation (each rank builds the full
 model once, then shards it), HSDP.
 """
@@ -97,15 +81,18 @@ def init_distributed(device_type: str, backend: str = "auto") -> DistContext:
     device = torch.device("cpu")
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but this node has "
-                             f"{torch.cuda.device_count()} CUDA devices")  # fmt: skip
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but this node has "
+                f"{torch.cuda.device_count()} CUDA devices"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"device_id": device} if name == "nccl" else {}
         dist.init_process_group(name, rank=rank, world_size=world, **kwargs)
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
-                       backend=name)  # fmt: skip
+    return DistContext(
+        rank=rank, world_size=world, local_rank=local_rank, device=device, backend=name
+    )
 
 
 def current() -> DistContext:
@@ -117,8 +104,13 @@ def current() -> DistContext:
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return DistContext(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank,
-                       device=device, backend=str(dist.get_backend()))  # fmt: skip
+    return DistContext(
+        rank=rank,
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=str(dist.get_backend()),
+    )
 
 
 def world_size() -> int:

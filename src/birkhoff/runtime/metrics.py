@@ -41,8 +41,10 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     from a CUDA graph (TrainConfig.cuda_graph) allocates nothing while it runs, its activations
     live in the graph's pool, which counts there and not in the peak."""
     if device.type == "cuda":
-        return {"mem_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-                "mem_reserved_mib": torch.cuda.memory_reserved(device) / 2**20}  # fmt: skip
+        return {
+            "mem_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "mem_reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
+        }
     return {"mem_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -54,9 +56,12 @@ class MetricsLog:
     """
 
     def __init__(
-        self, path: Path, *, trackers: Sequence[Tracker] = (),
+        self,
+        path: Path,
+        *,
+        trackers: Sequence[Tracker] = (),
         clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.path, self.trackers, self.clock = path, list(trackers), clock
         self.last: dict[str, Any] = {}
         self.started, self.elapsed_before = clock(), 0.0

@@ -25,29 +25,49 @@ class Panel(NamedTuple):
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("reward", (("reward", "rollouts (mean over the step's completions)"),
-                     ("eval_sampled_reward", "held-out, sampled"),
-                     ("eval_reward", "held-out exact match, greedy"))),
+    Panel(
+        "reward",
+        (
+            ("reward", "rollouts (mean over the step's completions)"),
+            ("eval_sampled_reward", "held-out, sampled"),
+            ("eval_reward", "held-out exact match, greedy"),
+        ),
+    ),
     Panel("supervised loss (warm-up)", (("main_loss", "next-token cross-entropy"),)),
     Panel("GRPO policy loss", (("policy_loss", "clipped surrogate (+ KL)"),)),
     Panel("MTP loss", (("mtp_loss", "cross-entropy, mean over depths"),)),
-    Panel("MTP draft acceptance", (("accept_1", "draft 1, rollouts"),
-                                   ("accept_2", "draft 2, rollouts"),
-                                   ("accept_3", "draft 3, rollouts"),
-                                   ("eval_accept_1", "draft 1, held-out greedy"))),
-    Panel("peak memory, MiB", (("mem_peak_mib", "allocated (CUDA) / process RSS (CPU)"),
-                               ("mem_reserved_mib", "reserved by the allocator (CUDA)")),
-          from_zero=True),
-    Panel("seconds per step", (("generate_s", "generate"), ("train_s", "train"),
-                               ("refit_s", "refit")), from_zero=True),
-)  # fmt: skip
+    Panel(
+        "MTP draft acceptance",
+        (
+            ("accept_1", "draft 1, rollouts"),
+            ("accept_2", "draft 2, rollouts"),
+            ("accept_3", "draft 3, rollouts"),
+            ("eval_accept_1", "draft 1, held-out greedy"),
+        ),
+    ),
+    Panel(
+        "peak memory, MiB",
+        (
+            ("mem_peak_mib", "allocated (CUDA) / process RSS (CPU)"),
+            ("mem_reserved_mib", "reserved by the allocator (CUDA)"),
+        ),
+        from_zero=True,
+    ),
+    Panel(
+        "seconds per step",
+        (("generate_s", "generate"), ("train_s", "train"), ("refit_s", "refit")),
+        from_zero=True,
+    ),
+)
 
 # only for runs that logged it (MoE models)
 MOE_PANEL = Panel(
     "MoE expert load",
-    (("moe_max_over_mean", "busiest expert / mean load"),
-     ("moe_rerouted_fraction", "share of tokens rerouted")),
-)  # fmt: skip
+    (
+        ("moe_max_over_mean", "busiest expert / mean load"),
+        ("moe_rerouted_fraction", "share of tokens rerouted"),
+    ),
+)
 
 
 def grpo_start(rows: list[dict[str, Any]]) -> int | None:
@@ -84,8 +104,13 @@ def run_figure(rows: list[dict[str, Any]]) -> Figure:
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=label, marker="." if len(pts) < 40 else "")
         if boundary is not None and boundary > 0:
-            ax.axvline(boundary - 0.5, color="grey", linestyle="--", linewidth=1,
-                       label="warm-up ends, GRPO begins")  # fmt: skip
+            ax.axvline(
+                boundary - 0.5,
+                color="grey",
+                linestyle="--",
+                linewidth=1,
+                label="warm-up ends, GRPO begins",
+            )
         if panel.from_zero:
             ax.set_ylim(bottom=0)
         ax.set_title(panel.title)

@@ -40,8 +40,14 @@ class Progress:
         self.every_s, self.clock = every_s, clock
         self.bar: tqdm | None = None
         if enabled and self.file.isatty():
-            self.bar = tqdm(total=total, initial=initial, desc=desc, file=self.file,
-                            unit="step", dynamic_ncols=True)  # fmt: skip
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                file=self.file,
+                unit="step",
+                dynamic_ncols=True,
+            )
         self.start_step, self.start_s = initial, clock()
         self.line_step, self.line_s = initial, self.start_s
 
@@ -64,8 +70,11 @@ class Progress:
     def print_line(self, postfix: dict[str, str], now: float) -> None:
         rate = (self.step - self.start_step) / max(now - self.start_s, 1e-9)
         figures = " ".join(f"{k}={v}" for k, v in postfix.items())
-        print(f"{self.desc} step {self.step}/{self.total} ({rate:.1f} step/s) {figures}".rstrip(),
-              file=self.file, flush=True)  # fmt: skip
+        print(
+            f"{self.desc} step {self.step}/{self.total} ({rate:.1f} step/s) {figures}".rstrip(),
+            file=self.file,
+            flush=True,
+        )
         self.line_step, self.line_s = self.step, now
 
     def close(self) -> None:

@@ -58,13 +58,20 @@ def stop_on_signals(flag: StopFlag) -> Iterator[StopFlag]:
     def handle(signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if flag.requested:
-            print(f"\n{name} again: exiting now; the last checkpoint written stays whole",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"\n{name} again: exiting now; the last checkpoint written stays whole",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
             os._exit(128 + signum)
         flag.request(name)
-        print(f"\n{name}: stopping after the current step with a checkpoint "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\n{name}: stopping after the current step with a checkpoint "
+            "(send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:

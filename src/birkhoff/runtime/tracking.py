@@ -36,16 +36,21 @@ class Tracker(Protocol):
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """The row's numbers as `phase/key` scalars (step and phase are the coordinates)."""
     phase = row.get("phase", "run")
-    return {f"{phase}/{k}": float(v) for k, v in row.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}  # fmt: skip
+    return {
+        f"{phase}/{k}": float(v)
+        for k, v in row.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"
+    }
 
 
 def import_optional(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ValueError(f"--log {extra} needs the {extra!r} package: pip install "
-                         f"'birkhoff[{extra}]' (or pip install {extra})") from err  # fmt: skip
+        raise ValueError(
+            f"--log {extra} needs the {extra!r} package: pip install "
+            f"'birkhoff[{extra}]' (or pip install {extra})"
+        ) from err
 
 
 class TensorBoardTracker:
@@ -55,8 +60,7 @@ class TensorBoardTracker:
         import_optional("tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step,
-                                    flush_secs=10)  # fmt: skip
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step, flush_secs=10)
 
     def log(self, row: dict[str, Any]) -> None:
         for name, value in scalars(row).items():
@@ -74,8 +78,14 @@ class WandbTracker:
         id_file = out / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         run_id = run_id or secrets.token_hex(4)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "birkhoff"), name=name,
-                              id=run_id, resume="allow", dir=str(out), config=config)  # fmt: skip
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "birkhoff"),
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(out),
+            config=config,
+        )
         id_file.write_text(run_id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -88,9 +98,13 @@ class WandbTracker:
 
 
 def open_trackers(
-    names: Sequence[str], out: Path, *, name: str, config: dict[str, Any],
+    names: Sequence[str],
+    out: Path,
+    *,
+    name: str,
+    config: dict[str, Any],
     resume_step: int | None = None,
-) -> list[Tracker]:  # fmt: skip
+) -> list[Tracker]:
     """The trackers `names` asks for (`--log`), opened on `out`; ValueError for a missing one."""
     unknown = sorted(set(names) - set(TRACKERS))
     if unknown:
@@ -99,6 +113,5 @@ def open_trackers(
     if "tensorboard" in names:
         trackers.append(TensorBoardTracker(out, resume_step=resume_step))
     if "wandb" in names:
-        trackers.append(WandbTracker(out, name=name, config=config,
-                                     resume=resume_step is not None))  # fmt: skip
+        trackers.append(WandbTracker(out, name=name, config=config, resume=resume_step is not None))
     return trackers

@@ -1,19 +1,13 @@
 """Reading an answer out of free text, and the format reward.
 
-A model's completion is free text (reasoning, then an answer). `extract_answer` reads the answer
-in this order, the first that applies wins:
-  1. the content of the last complete `<answer>...</answer>` pair (stripped);
-  2. the content of the last `\\boxed{...}` (braces balanced, stripped);
-  3. the fallback: `last_number` for numeric tasks (the last number in the text, "," thousands
-     separators allowed), or the whole text stripped (`fallback="text"`, Countdown's compact
-     prompts where the completion is the expression itself).
-A reference answer goes through the same extraction, so a task's answer may be written as a
-whole target completion (`<answer>153</answer>`) or as the bare value (`153`).
-
-`format_reward` is separate from correctness: 1.0 iff the text holds exactly one answer tag
-pair, its content is non-empty and holds no further tag, and nothing but whitespace follows the
-closing tag (a stop string "</answer>" ends generation right there). Left out: partial credit
-for near misses, <think> tags (what precedes the answer is not checked).
+`extract_answer` reads, the first that applies winning: the last complete `<answer>...</answer>`
+pair, else the last `\\boxed{...}`, else a fallback (`last_number` for numeric tasks, or the
+whole text stripped). A reference answer goes through the same extraction, so it may be a whole
+target completion or the bare value. `format_reward` is separate from correctness: 1.0 iff the
+text holds exactly one non-empty answer tag pair with nothing but whitespace after it. The
+rules in full: docs/tasks.md.
+Left out: partial credit for near misses, <think> tags (what precedes the answer is not
+checked).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Multi-digit arithmetic in words: "What is forty-seven plus one hundred and six?" -> 153.
 
-Numbers are written in British English words ("one hundred and six", "two thousand and five",
-hyphens in 21..99), up to 10^15 - 1. Operators are "plus", "minus", "times" and "divided by";
-a problem of more than two terms is evaluated with the usual precedence (times and divided by
-before plus and minus), which the prompt states. Division is always exact: the dividend is made
-a multiple of the divisor, and "divided by" never follows "times" or "divided by" (so each
-quotient is of two written numbers). Answers are integers, negative when "minus" makes them so.
-
-Difficulty: "easy" (two terms of up to 2 digits, + and -), "medium" (two terms of up to 3
-digits, all four operators), "hard" (three terms of up to 4 digits, all four operators); any of
-num_digits, num_terms and ops overrides the level's value. Styles as in countdown.py: "chat"
-asks for the answer in <answer></answer> tags (stop string "</answer>"); "compact" is
-lowercase, in the character tokenizer's vocabulary ("what is seven plus five?" -> "12").
-The reward reads the answer out of free text (answers.numeric_answer) and compares it exactly.
+Numbers are written in British English words up to 10^15 - 1; operators are "plus", "minus",
+"times" and "divided by", evaluated with the usual precedence; division is always exact and
+answers are integers. Difficulty levels "easy", "medium" and "hard" set the digits, terms and
+operators (each may be overridden). Styles as in countdown.py: "chat" (answer in <answer></answer>
+tags) or "compact" (in the character tokenizer's vocabulary). The reward reads the answer out of
+free text (answers.numeric_answer) and compares it exactly. Details: docs/tasks.md.
+Left out: non-integer answers, numbers of 10^15 and above.
 """
 
 from __future__ import annotations
@@ -86,10 +80,15 @@ class ArithmeticWordsTask:
     name = "arithmetic-words"
 
     def __init__(
-        self, *, difficulty: str = "medium", num_digits: int | None = None,
-        num_terms: int | None = None, ops: str | None = None, style: str = "chat",
+        self,
+        *,
+        difficulty: str = "medium",
+        num_digits: int | None = None,
+        num_terms: int | None = None,
+        ops: str | None = None,
+        style: str = "chat",
         format_weight: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_style(style)
         if difficulty not in LEVELS:
             raise ValueError(f"difficulty={difficulty!r} is invalid: one of {sorted(LEVELS)}")
@@ -133,8 +132,7 @@ class ArithmeticWordsTask:
         if self.style == "compact":
             return Problem(f"what is {words}?", answer)
         rule = " (times and divided by before plus and minus)" if self.num_terms > 2 else ""
-        prompt = (f"What is {words}?{rule} Give the final answer as a number in "
-                  f"{OPEN} {CLOSE} tags.")  # fmt: skip
+        prompt = f"What is {words}?{rule} Give the final answer as a number in {OPEN} {CLOSE} tags."
         return Problem(prompt, f"{OPEN}{answer}{CLOSE}")
 
     def reward(self, problem: Problem, completion: str) -> float:

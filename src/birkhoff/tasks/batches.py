@@ -2,20 +2,13 @@
 
 Legend: B batch, T tokens.
 
-Sequence layout (shared by supervised training, generation and RL):
-    prompt answer [eos] [pad ...]
-where `prompt` is `tokenizer.encode_prompt(problem.prompt)`: the prompt text with the special
-tokens of the tokenizer's own convention (CharTokenizer: a BOS; a HuggingFace tokenizer: what its
-post-processor adds, or its chat template's markers). Nothing here adds a BOS by itself.
-`build_supervised_batch` right-pads to [B,T] and sets `loss_mask` on the answer tokens and the
-EOS only. The mask is aligned with the *target positions* of `labels` = input ids, the convention
-of birkhoff/model/mtp.py: mask[j] says whether token j is something to learn, and the model shifts
-labels and mask together (position i predicts token i+1 on the main head, i+k+1 at MTP depth k).
-
-Design choice: the batch of step n is built from `step_rng(seed, n)`, a function of (seed, step)
-only. A resumed run therefore sees exactly the batches an uninterrupted run would, without saving
-any data-loader state, and two runs with the same seed see the same data. Problems are generated,
-never stored: the task space is large enough that a small model sees few repeats.
+Layout: `prompt answer [eos] [pad ...]`, where the prompt carries the special tokens of the
+tokenizer's own convention (`encode_prompt`; nothing here adds a BOS). `build_supervised_batch`
+right-pads to [B,T] and sets `loss_mask` on the answer tokens and the EOS, aligned with the
+target positions of `labels` (the convention of model/mtp.py). The batch of step n is a function
+of (seed, n) only, so a resumed run sees the batches an uninterrupted one would with no
+data-loader state. Details: docs/tasks.md.
+Left out: stored data sets (problems are generated; JSONL files are jsonl.py's).
 """
 
 from __future__ import annotations

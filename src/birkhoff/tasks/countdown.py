@@ -1,21 +1,12 @@
 """Countdown: reach a target from given numbers with + - * / (the task TinyZero trained with GRPO).
 
-Rule (TinyZero's `validate_equation`): every given number is used exactly once, no other
-number appears. `use_all=False` relaxes it to "each number at most once" (a sub-multiset).
-Only binary + - * / and parentheses: no unary minus, no exponent, no decimals, no "=".
-
-The evaluator never runs model text: `tokenize` accepts only digits, the four operators,
-parentheses and spaces (at most MAX_CHARS characters), a recursive-descent parser builds the
-value with `fractions.Fraction` (exact: 7/2*2 == 7), nesting is bounded (MAX_DEPTH), division
-by zero and anything else malformed raise `ExpressionError`, which scores 0. A number literal
-has at most MAX_DIGITS digits, so no input can make the arithmetic slow.
-
-Generation builds a random expression tree over all the numbers (pairs combined at random with
-a random operator, intermediate values kept non-negative integers, division only when exact)
-and keeps it when its value is an integer in [1, max_target]: every instance is solvable, and
-its reference answer is that expression. The verifier reads the numbers and the target back
-from the reference, so a JSONL file of {"prompt", "answer": EXPRESSION} lines is scored by the
-"countdown" verifier alike.
+Rule (TinyZero's `validate_equation`): every given number is used exactly once, no other number
+appears (`use_all=False`: each at most once). The evaluator never runs model text: a whitelist
+tokenizer, a recursive-descent parser over `fractions.Fraction`, bounded length, depth and
+digits; anything malformed raises `ExpressionError`, which scores 0. Generation builds a random
+expression tree over all the numbers, so every instance is solvable and its reference answer is
+that expression; the verifier reads numbers and target back from it. Details: docs/tasks.md.
+Left out: unary minus, exponents, decimals and "=" in answers.
 """
 
 from __future__ import annotations
@@ -215,10 +206,16 @@ class CountdownTask:
     name = "countdown"
 
     def __init__(
-        self, *, num_numbers: int = 4, max_number: int = 100, max_target: int = 100,
-        ops: str | None = None, style: str = "chat", use_all: bool = True,
+        self,
+        *,
+        num_numbers: int = 4,
+        max_number: int = 100,
+        max_target: int = 100,
+        ops: str | None = None,
+        style: str = "chat",
+        use_all: bool = True,
         format_weight: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_style(style)
         ops = ops if ops is not None else ("+-*/" if style == "chat" else "+-*")
         if not 2 <= num_numbers <= 6:
@@ -234,11 +231,17 @@ class CountdownTask:
         self.stop: tuple[str, ...] = (CLOSE,) if style == "chat" else ()
 
     def sample(self, rng: random.Random) -> Problem:
-        inst = generate(rng, num_numbers=self.num_numbers, max_number=self.max_number,
-                        max_target=self.max_target, ops=self.ops)  # fmt: skip
+        inst = generate(
+            rng,
+            num_numbers=self.num_numbers,
+            max_number=self.max_number,
+            max_target=self.max_target,
+            ops=self.ops,
+        )
         if self.style == "compact":
-            return Problem(f"countdown {','.join(map(str, inst.numbers))} to {inst.target}:",
-                           inst.solution)  # fmt: skip
+            return Problem(
+                f"countdown {','.join(map(str, inst.numbers))} to {inst.target}:", inst.solution
+            )
         rule = "exactly once" if self.use_all else "at most once"
         ops = ", ".join(self.ops)
         prompt = (

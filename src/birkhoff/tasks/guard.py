@@ -1,20 +1,12 @@
 """User verifiers that misbehave score 0 instead of ending the run; too many failures stop it.
 
 `GuardedVerifier` wraps a "module:function" verifier (verifiers.py). Each call runs with a
-per-call timeout (`timeout_s`); an exception or a timeout scores that completion 0.0 and is
-counted (`counts()`: calls, errors, timeouts; rollouts log the per-step numbers). The first
-failure of each kind (the exception's type, or "timeout") is logged once with its traceback;
-later ones only count. Once at least `min_calls` calls were made and more than
-`max_failure_rate` of them failed, the next failure raises `VerifierFailureError` saying how
-many failed, of which kinds, and the first error: a verifier that is simply broken stops the
-run within a few steps rather than training on zero rewards.
-
-Timeouts: in the main thread (where rollouts score) SIGALRM interrupts the call (ITIMER_REAL;
-any timer set before is restored, its remaining time less the call's). The interrupt is a
-BaseException, so a verifier's `except Exception` cannot swallow it; C code that never returns
-to the interpreter (a long regex match) is interrupted when it does return. Elsewhere (another
-thread, or no SIGALRM) the call runs in a daemon thread that is abandoned at the timeout and
-may keep running in the background.
+per-call timeout; an exception or a timeout scores 0.0 and is counted (`counts()`), the first
+failure of each kind logged with its traceback. Once `min_calls` calls were made and more than
+`max_failure_rate` of them failed, the next failure raises `VerifierFailureError`. In the main
+thread SIGALRM interrupts the call (a BaseException a verifier cannot swallow); elsewhere the
+call runs in a daemon thread abandoned at the timeout. Details: docs/tasks.md.
+Left out: process isolation (a verifier shares the run's process and memory).
 """
 
 from __future__ import annotations
@@ -99,9 +91,13 @@ class GuardedVerifier:
     """A verifier whose failures (exceptions, timeouts) score 0 and are counted."""
 
     def __init__(
-        self, inner: Scorer, *, timeout_s: float = TIMEOUT_S,
-        max_failure_rate: float = MAX_FAILURE_RATE, min_calls: int = MIN_CALLS,
-    ) -> None:  # fmt: skip
+        self,
+        inner: Scorer,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        max_failure_rate: float = MAX_FAILURE_RATE,
+        min_calls: int = MIN_CALLS,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid: must be > 0")
         if not 0 <= max_failure_rate <= 1:
@@ -134,8 +130,12 @@ class GuardedVerifier:
         """Log the first failure of each kind; stop once failures exceed the allowed rate."""
         if kind not in self.first:
             self.first[kind] = detail.splitlines()[-1]
-            log.warning("verifier %s failed (%s; scored 0, logged once per kind):\n%s",
-                        self.name, kind, detail)  # fmt: skip
+            log.warning(
+                "verifier %s failed (%s; scored 0, logged once per kind):\n%s",
+                self.name,
+                kind,
+                detail,
+            )
         failures = self.num_errors + self.num_timeouts
         if self.num_calls >= self.min_calls and failures > self.max_failure_rate * self.num_calls:
             kinds = "; ".join(f"{k}: {v}" for k, v in self.first.items())
@@ -148,5 +148,8 @@ class GuardedVerifier:
 
     def counts(self) -> dict[str, int]:
         """Calls, errors and timeouts so far."""
-        return {"verifier_calls": self.num_calls, "verifier_errors": self.num_errors,
-                "verifier_timeouts": self.num_timeouts}  # fmt: skip
+        return {
+            "verifier_calls": self.num_calls,
+            "verifier_errors": self.num_errors,
+            "verifier_timeouts": self.num_timeouts,
+        }

@@ -1,24 +1,12 @@
 """Verifiable tasks generated in code, their rewards, and the seed streams a run draws from.
 
 A task samples `Problem(prompt, answer)` pairs from a seeded `random.Random` and scores a
-completion with a verifiable reward. The tasks here (addition, sorting) use exact match:
-    reward = 1.0 if completion == answer else 0.0
-where `completion` is the text the model produced before its EOS (`CharTokenizer.decode` stops
-at the first EOS). Exact match only: no partial credit, no whitespace stripping, so the reward
-cannot be gamed by padding an answer. Tasks with free-text answers (countdown.py,
-arithmetic.py) read the answer out of the text (answers.py) and name their stop strings
-(`Task.stop`); `TASKS` registers them all.
-
-Design choices: operands of `AdditionTask` have 1..num_digits digits (uniform value in
-[0, 10^num_digits)), the answer is written most-significant digit first, as people write it.
-`SortingTask` sorts characters by code point (digits before letters). Left out: reversed
-answers.
-
-Seeds: every random choice of a run is a function of (seed, step), defined here once:
-`step_rng(seed, step)` draws a step's problems, `held_out_rng(seed)` the evaluation problems (a
-string stream no integer step can reach: the held-out split is a seed stream, so a generated
-problem may occur in both when the task space is small), and `sampling_seed(seed, step)` seeds
-a step's generation.
+completion with a verifiable reward. Addition and sorting use exact match on the text before the
+EOS (no partial credit, no whitespace stripping); free-text tasks (countdown.py, arithmetic.py)
+read the answer out of the text (answers.py) and name their stop strings. `TASKS` registers
+them all. Every random choice of a run is a function of (seed, step), defined here once:
+`step_rng`, `held_out_rng` and `sampling_seed`. Task details and the seed streams: docs/tasks.md.
+Left out: reversed answers.
 """
 
 from __future__ import annotations

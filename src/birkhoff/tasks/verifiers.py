@@ -1,29 +1,13 @@
 """Named verifiers: reward functions that score a completion against a reference answer.
 
-A verifier is built from a spec string (`get_verifier`):
-    "exact"            1.0 iff normalise(completion) == normalise(answer)
-    "numeric"          1.0 iff both parse as numbers and are close (rel 1e-6, abs 1e-9)
-    "numeric:TOL"      the same with absolute tolerance TOL (relative 0)
-    "answer"           free text: the answer read out of it (answers.py: <answer> tag, then
-                       \\boxed{}, then the last number) equals the reference's, exactly, as numbers
-    "countdown"        free text: the answer is a Countdown expression of the reference
-                       expression's numbers, each exactly once, with its value (countdown.py)
-    "module:function"  any Python callable fn(problem, completion) -> float | bool
-Each verifier also checks reference answers up front (`check_answer`), so a data file with an
-answer the verifier can never match fails at load time, with its line number, not mid-training.
-
-Design choices:
-- Normalisation (exact match): Unicode NFKC, case folding, whitespace runs collapsed to one space,
-  surrounding whitespace and one trailing period removed. Nothing else: no article or punctuation
-  stripping, so "12" and "1 2" stay different.
-- Numeric match parses the whole completion (after strip, with "," thousands separators removed),
-  never "the last number in the text": a completion that appends other numbers gets no credit.
-  Non-finite numbers never match.
-- A user function's return value must be a bool or a finite number; anything else raises
-  ValueError naming the function. User functions run guarded (guard.py): a per-call timeout,
-  an exception or timeout scores 0 and is counted and logged, and a failure rate over the limit
-  stops the run, so a broken verifier can neither silently give zero reward nor take a run
-  down on one bad completion.
+A verifier is built from a spec string (`get_verifier`): "exact" (normalised exact match),
+"numeric" / "numeric:TOL" (the whole completion as a number, within tolerance), "answer" (the
+answer read out of free text, answers.py), "countdown" (a Countdown expression of the
+reference's numbers, countdown.py) or "module:function" (any fn(problem, completion) -> float |
+bool, run guarded by guard.py). Each verifier also checks reference answers up front
+(`check_answer`), so a data file with an answer it can never match fails at load time, with its
+line number. Normalisation and matching rules in detail: docs/tasks.md.
+Left out: partial credit beyond what a user function returns, model-based judges.
 """
 
 from __future__ import annotations

@@ -64,11 +64,19 @@ class TrainConfig:
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
         check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
         check(isinstance(self.compile, bool), "compile", self.compile, "must be a bool")
-        check(not (self.compile and self.recompute == "full"), "compile", self.compile,
-              "compiling recomputed blocks is not supported: use recompute='none'")  # fmt: skip
+        check(
+            not (self.compile and self.recompute == "full"),
+            "compile",
+            self.compile,
+            "compiling recomputed blocks is not supported: use recompute='none'",
+        )
         check(isinstance(self.cuda_graph, bool), "cuda_graph", self.cuda_graph, "must be a bool")
-        check(not (self.cuda_graph and self.recompute == "full"), "cuda_graph", self.cuda_graph,
-              "a CUDA graph replays no reclaim: use recompute='none'")  # fmt: skip
+        check(
+            not (self.cuda_graph and self.recompute == "full"),
+            "cuda_graph",
+            self.cuda_graph,
+            "a CUDA graph replays no reclaim: use recompute='none'",
+        )
         rc = self.reclaim
         check(rc in ("safe", "always", "never"), "reclaim", rc, "safe | always | never")
         check(self.kernels in KERNELS, "kernels", self.kernels, " | ".join(KERNELS))

@@ -1,49 +1,13 @@
 """The training step's forward, loss and backward replayed from one CUDA graph per batch shape.
 
-With every block compiled the step's kernels are fast, but the host launches them one by one
-and enters each compiled region and compiled backward in Python; at h200-small's size the
-device then waits for the host (docs/results.md). `StepGraphs` captures forward + loss +
-backward once per batch shape and replays it with one launch, so the step runs at the device's
-pace. Clipping, the optimizer step and the metrics' host reads stay eager (`train_step`).
-
-Design choices:
-- A batch is a tuple of tensors (`SupervisedBatch`); its shapes and dtypes are the graph's
-  key. Each call checks the batch (`check_batch`; by default every integer field as token ids
-  of the model, `check_token_ids`), copies it into the graph's static inputs and replays. A
-  batch with a non-tensor field is a ValueError: a graph would keep the value it was captured
-  with.
-- Capture: `num_warmup` eager forward + backward passes on a side stream (compiled regions
-  compile, cuBLAS and Triton initialise), their gradients dropped, then the capture itself;
-  the first real step is the first replay. The last warm-up pass runs under
-  `torch.cuda.set_sync_debug_mode("error")`, so a host sync in the model or the loss fails
-  there, naming the op, instead of invalidating the capture. The graphed passes skip the
-  model's own read of the ids' range (`token_values_unchecked`: a host sync); `check_batch`
-  does it for every replayed batch. Autocast is entered and left inside the capture
-  (`forward_context`), so its cache of weight casts lives and dies within one replay, and the
-  graphed step keeps the plain step's numerics (the head's logprobs, `token_logprobs`, cast
-  their weight themselves and allocate per chunk inside the capture, syncing nothing).
-- Gradients: the capture's backward allocates every `.grad` in the graph's memory pool; each
-  replay rewrites those tensors in place and the call points `param.grad` at them again. So
-  `.grad` must be None before a call (no accumulation into a graphed step: ValueError), and a
-  call's loss, metrics and gradients are valid until the next call (train_step reads them
-  first). Metrics must be tensors for the same reason.
-- Memory: every graph of a `StepGraphs` captures into one shared pool, so graphs of several
-  shapes hold about one step's activations, not one each. That is safe because replays run
-  one at a time on one stream and a replay reads nothing the pool holds from before it (its
-  inputs, parameters and buffers live outside the pool; gradients are written, not
-  accumulated), while another graph's replay may overwrite its outputs: hence "valid until
-  the next call" (the engine's graphs share their pool the same way). At most `max_graphs`
-  graphs are kept; the least recently used one is dropped when another shape arrives. The
-  supervised loop pads batches to a multiple of `LENGTH_BUCKET` tokens so a run sees few
-  shapes.
-- Weights: a graph reads every parameter and buffer at the address it was captured with. Each
-  call compares those addresses with the capture's (read from the module slots the model had
-  when the StepGraphs was built: `weight_slots`); if one moved, every graph is dropped and the
-  call captures again (never a replay of stale or freed memory).
-- One process, no recompute: a capture replays no Python, so neither the saved-storage
-  registry of safe reclaim nor FSDP2's hooks would run (ValueError for both).
+`StepGraphs` captures forward + loss + backward once per batch shape (a tuple of tensors, checked
+and copied into the graph's static inputs on each call) and replays it with one launch, so the
+step runs at the device's pace; clipping, the optimizer step and the metrics' host reads stay
+eager (`train_step`). `.grad` must be None before a call, and a call's loss, metrics and
+gradients are valid until the next call. Graphs share one memory pool, at most `max_graphs` are
+kept, and all are captured again when a weight moves.
 Left out: graphing the optimizer step, GRPO updates (their batches change shape every step),
-data parallel.
+data parallel, recompute (a replay runs no Python hooks). Design: docs/training.md.
 """
 
 from __future__ import annotations
@@ -101,8 +65,9 @@ def token_ids_check(model: nn.Module) -> Callable[[tuple[Tensor, ...]], None]:
     def check(batch: tuple[Tensor, ...]) -> None:
         for name, x in zip(field_names(batch), batch, strict=True):
             if x.dtype in (torch.int32, torch.int64):
-                check_token_ids(x, name=name, vocab_size=cfg.vocab_size,
-                                max_seq_len=cfg.max_seq_len)  # fmt: skip
+                check_token_ids(
+                    x, name=name, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len
+                )
 
     return check
 
@@ -112,8 +77,8 @@ WeightSlots = list[tuple[Mapping[str, Tensor | None], str]]
 
 def weight_slots(model: nn.Module) -> WeightSlots:
     """Where each parameter and buffer of `model` is registered: (its module's `_parameters`
-    or `_buffers` dict, its name). Built once: walking the modules costs ~1 ms a call at
-    h200-small's size, reading these slots ~0.05 ms."""
+    or `_buffers` dict, its name). Built once: walking the modules on every call costs far
+    more than reading these slots (docs/training.md)."""
     return [
         (registry, name)
         for module in model.modules()

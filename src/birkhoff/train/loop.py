@@ -1,22 +1,12 @@
 """The supervised loop, shared by `birkhoff train` and the warm-up of `birkhoff run`.
 
-Design choices:
-- `supervised_steps` is the one supervised loop: for each step, the batch of (seed, step)
-  (`batch_for_step`), one `train_step` at the lr of that step, and one metrics row. It is a
-  generator, so each caller decides what happens between steps: `run_training` logs every
-  `log_every` steps, the GRPO run logs every step, evaluates, refits and checkpoints. The run is a
-  function of (ModelConfig, TrainConfig, Task) and the seed (deterministic on CPU); presets are
-  the command line's business (birkhoff.cli), not this loop's.
-- Evaluation here is teacher-forced (`teacher_forced_accuracy`): one forward pass over held-out
-  problems, no generation; a sequence counts when the argmax at every answer position is right,
-  which is exactly greedy decoding's exact match. The GRPO run's `evaluate_generated` generates
-  with the engine instead.
-- The final checkpoint goes to `out_dir/checkpoint` (atomic, birkhoff.runtime.checkpoint;
-  sharded, birkhoff.runtime.dcp, when launched by torchrun).
-- `TrainConfig.cuda_graph`: each step's forward + backward replays a CUDA graph
-  (train/graph.py), batches right-padded to a bucket of lengths (`SupervisedBatch.padded`).
-- Under torchrun (birkhoff.runtime.distributed) the model is sharded with FSDP2 and every rank
-  trains on its contiguous share of the rows of the step's global batch; rank 0 writes the log.
+`supervised_steps` is the one supervised loop, a generator (the batch of (seed, step), one
+`train_step`, one metrics row), so each caller decides what happens between steps. The run is a
+function of (ModelConfig, TrainConfig, Task) and the seed; presets are the command line's
+business. Evaluation here is teacher-forced (`teacher_forced_accuracy`: greedy decoding's exact
+match in one forward). The final checkpoint goes to `out_dir/checkpoint` (sharded under
+torchrun); `TrainConfig.cuda_graph` replays each step from a CUDA graph (train/graph.py).
+Design choices in detail: docs/training.md.
 Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
 """
 
@@ -89,8 +79,7 @@ def supervised_steps(
     assert isinstance(model_cfg, ModelConfig), "the supervised loop needs a model carrying .cfg"
     for step in steps:
         reset_peak_memory(device)
-        batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
-                               step=step)  # fmt: skip
+        batch = batch_for_step(task, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed, step=step)
         batch = (take_rows(batch, rows) if ctx.world_size > 1 else batch).to(device)
         if graphs is not None:  # few lengths, few graphs
             length = bucketed_length(batch.input_ids.shape[1], model_cfg.max_seq_len)
@@ -150,8 +139,9 @@ def run_training(
             due = step % cfg.log_every == 0 or step == cfg.num_steps - 1 or row["skipped"]
             if ctx.is_main and due:
                 log.append(row)
-            bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc")
-                        if k in row})  # fmt: skip
+            bar.update(
+                {k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc") if k in row}
+            )
             skips.check(step, checkpoint=out_dir / "checkpoint", checkpoint_step=None)
     eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
     meta = {**(extra or {}), "seed": cfg.seed, "eval_exact_match": eval_after}

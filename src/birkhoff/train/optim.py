@@ -1,18 +1,12 @@
 """AdamW with a decay / no-decay split, and the learning-rate schedule as a pure function.
 
-Design choices:
-- Weight decay applies to matmul and embedding weights only: the `weight` of every `nn.Linear`
-  and `nn.Embedding`. Everything else gets none: RMSNorm gains (decaying them pulls the scale
-  towards 0, not towards the identity 1), biases, and the mHC coefficients (`phi`, `alpha`,
-  `bias` of hyper-connections and output contractions). The static mHC bias encodes the
-  near-identity residual at init (b_res = 6I - 3); decaying it would drift every sublayer
-  towards uniform stream mixing, and alpha/phi are gates whose scale is meaningful.
-  The split is by module type, not by name, so a new module with its own `nn.Linear` is decayed
-  without touching this file. A tied embedding/lm_head weight is listed once.
-- Schedule: linear warmup from 0 to `lr` over `warmup_steps`, then cosine to
-  `lr * min_lr_ratio` at `num_steps` (held there after). It is a function of the step only, so a
-  resumed run gets exactly the same learning rates.
-- On CUDA the fused AdamW kernel is used; elsewhere torch's default (foreach).
+Weight decay applies to the `weight` of every `nn.Linear` and `nn.Embedding` only: never to
+RMSNorm gains, biases or the mHC coefficients (`phi`, `alpha`, the static bias that encodes the
+near-identity residual). The split is by module type, not by name, so a new module's linears are
+decayed without touching this file; a tied embedding/lm_head weight is listed once. The
+schedule is linear warm-up then cosine to `lr * min_lr_ratio`, a function of the step only, so a
+resumed run gets the same learning rates. On CUDA the fused AdamW kernel is used. Why these
+choices: docs/training.md.
 Left out: Muon/other optimizers, per-layer learning rates, ZeRO sharding.
 """
 

@@ -1,30 +1,12 @@
 """Activation recompute (and per-block compile) applied to a plain model from outside, as
 torchtitan applies them.
 
-`apply_recompute(model, reclaim=...)` makes every block and every MTP depth (its merge and block
-as one unit) run under `birkhoff.recompute.checkpoint`: only the unit's inputs are kept for
-backward, the unit reruns there, and with `reclaim="safe"` input storage is freed as soon as no
-pending node reads it. The forward must then run inside `track_saved_storages()`; `train_step`
-enters it when `TrainConfig.recompute == "full"`.
-
-Design choices:
-- The wrapper replaces the unit's `forward` on the instance with a bound method that checkpoints
-  the class's own `forward`. Nothing is re-parented and the class stays the same, so every
-  parameter name and state_dict key stays what the model defines (checkpoints and refit look
-  tensors up by name), and `copy.deepcopy` rebinds the method to the copy (a frozen reference
-  copy runs its own weights).
-- Module hooks of the unit run outside the checkpoint, once; its submodules' hooks run in forward
-  and again in the rerun.
-- `apply_checkpoint` takes any checkpoint function with the signature
-  `checkpoint_fn(fn, *args, name=...)`; benchmarks use it to put `torch.utils.checkpoint` on the
-  same units.
-- `compile_blocks` runs `torch.compile` on every block, every MTP depth (merge and block) and
-  the output heads' contraction and norm (`TrainConfig.compile`): identical blocks share one
-  compiled graph (parameters are graph inputs), and the fused mHC ops are `triton_op`s, so
-  inductor launches their kernels without a graph break. The MTP merge is compiled with its
-  block because at S = 4 its eager norm, concatenation and their backward over [B,T,S,D] cost
-  ~3 ms of an h200-small step. Not together with recompute (the checkpointed forward's
-  saved-tensor hooks are not traced).
+`apply_recompute(model, reclaim=...)` makes every block and every MTP depth (merge and block as
+one unit) run under `birkhoff.recompute.checkpoint`, by replacing the unit's `forward` on the
+instance (parameter names, state_dict keys and the class stay the model's); the forward must then
+run inside `track_saved_storages()`. `apply_checkpoint` takes any checkpoint function (benchmarks
+put `torch.utils.checkpoint` on the same units). `compile_blocks` runs `torch.compile` on every
+block, MTP depth and the heads' contraction and norm. Design choices: docs/training.md.
 Left out: selective (per-op) recompute, recomputing only every n-th block, compile with
 recompute.
 """

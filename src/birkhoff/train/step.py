@@ -2,33 +2,13 @@
 
 Legend: B batch, T tokens.
 
-Design choices:
-- `forward_context(model, cfg)` is the single place that decides what wraps the forward:
-  bf16 autocast (CUDA only; asking for it on another device is a ValueError, not a silent fp32
-  run) and, when `cfg.recompute == "full"`, `birkhoff.recompute.track_saved_storages()`, which
-  feeds the registry that makes safe reclaim safe. The model itself is wrapped once, when it is
-  built (`birkhoff.train.recompute.apply_recompute`).
-- The loss is pluggable: `loss_fn(model, batch) -> (loss, metrics)`. The default is the
-  supervised next-token + MTP loss on a `SupervisedBatch`; the RL loop passes its own (GRPO).
-  Metrics may be tensors; they are converted to floats once, after backward, so a CUDA step
-  synchronises once.
-- The learning rate comes from `lr_at(step, cfg)`, a pure function of the step, so resuming at
-  step k reproduces the same schedule.
-- MoE models: after an applied optimizer step the router biases move toward balanced load
-  (`update_router_bias`, from the load this step's forward observed), and the step's metrics
-  carry that load (`load_metrics`: moe_max_load, moe_mean_load, moe_max_over_mean,
-  moe_rerouted_fraction, moe_balance_loss). Both are no-ops for a dense model. Under data
-  parallel the load is first summed over ranks, so every rank's biases stay equal.
-- A step whose loss or global gradient norm is not finite is skipped (no parameter or optimizer
-  state changes) and reported with `skipped = 1.0`, instead of writing NaN into the weights.
-  `SkipCounter` counts them for the loops: `TrainConfig.max_skipped_in_row` in a row stop the
-  run (`NonFiniteError`); the weights are then still those of the last applied step.
-- Data parallel (FSDP2, birkhoff.runtime.distributed): the loss function returns this rank's
-  share of the global token mean, FSDP2 averages gradients over ranks, so the loss is
-  backpropagated times the world size; the reported `loss` is the sum of the shares (the global
-  loss) and every other metric the mean of the ranks' values (token-mean losses are reported
-  as share x world size, so that mean is the global figure; accuracies are rank means). In
-  one process nothing changes.
+`forward_context(model, cfg)` is the single place that decides what wraps the forward (bf16
+autocast on CUDA, `track_saved_storages()` under full recompute). The loss is pluggable,
+`loss_fn(model, batch) -> (loss, metrics)`, with metrics read to floats once after backward; the
+lr is a pure function of the step. MoE router biases move after an applied step. A step whose
+loss or gradient norm is not finite is skipped and reported (`SkipCounter` stops a run after
+`max_skipped_in_row`). Under FSDP2 each rank's loss is its share of the global token mean.
+Design choices in detail: docs/training.md.
 Left out: gradient accumulation, loss scaling (bf16 needs none).
 """
 
@@ -205,8 +185,11 @@ class SkipCounter:
         if self.in_row < self.max_in_row:
             return
         first = step - self.in_row + 1
-        where = "none written yet" if checkpoint_step is None else (
-            f"{checkpoint} (step {checkpoint_step}; --resume continues from it)")  # fmt: skip
+        where = (
+            "none written yet"
+            if checkpoint_step is None
+            else (f"{checkpoint} (step {checkpoint_step}; --resume continues from it)")
+        )
         raise NonFiniteError(
             f"steps {first}-{step}: {self.in_row} steps in a row had a non-finite loss or "
             f"gradient norm and were skipped (max_skipped_in_row={self.max_in_row}; the "
