@@ -58,8 +58,8 @@ def test_one_grpo_step_on_the_dense_import(dirs: dict[str, Path], tmp_path: Path
     preset, inputs = run_inputs(preset, out=tmp_path)
     assert inputs["init"] == dirs["dense"] and inputs["tokenizer"].chat
     rows = GRPORun(preset, tmp_path, device="cpu", **inputs).run(progress=False)
-    assert [r["phase"] for r in rows] == ["grpo", "eval"]
-    grpo = rows[0]
+    assert [(r["phase"], r["step"]) for r in rows] == [("eval", 0), ("grpo", 0), ("eval", 1)]
+    grpo = rows[1]
     assert math.isfinite(grpo["policy_loss"]) and grpo["weight_version"] == 1
     assert 0 <= grpo["reward"] <= 1
 
