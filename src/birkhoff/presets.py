@@ -212,7 +212,7 @@ def smollm2_grpo() -> Preset:
         model=model,
         train=train,
         task="arithmetic-words",
-        task_options={"difficulty": "easy", "num_digits": 1, "style": "chat"},
+        task_options={"num_digits": 1, "difficulty": "easy", "style": "chat"},
         rl=rl,
         init=SMOLLM2_GGUF,
     )

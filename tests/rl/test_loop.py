@@ -299,3 +299,10 @@ def test_grpo_loop_on_cuda(tmp_path: Path) -> None:
     assert all(r["mem_peak_mib"] > 0 for r in grpo)
     # bf16 engine logprobs vs the autocast trainer's: ratios stay near 1
     assert all(abs(r["ratio_mean"] - 1.0) < 0.1 for r in grpo)
+
+
+def test_a_run_without_warmup_evaluates_its_starting_policy(tmp_path: Path) -> None:
+    preset = small_preset(warmup_steps=0, num_steps=2, eval_every=2, checkpoint_every=0)
+    rows = GRPORun(preset, tmp_path, device="cpu").run(progress=False)
+    phases = [(r["phase"], r["step"]) for r in rows]
+    assert phases == [("eval", 0), ("grpo", 0), ("grpo", 1), ("eval", 2)]

@@ -371,6 +371,7 @@ class GRPORun:
             enabled=progress and self.dist.is_main,
         ) as bar:
             steps = self.step_rows()
+            rows += self.baseline_eval()
             while self.step < self.total_steps:
                 self.stopped_by = self.stop_reason(stop, stop_after)
                 if self.stopped_by is not None:
@@ -379,6 +380,17 @@ class GRPORun:
                     break
                 rows += self.finish_step(next(steps), bar)
         return rows
+
+    def baseline_eval(self) -> list[dict[str, Any]]:
+        """Without a warm-up, the starting policy's held-out reward at step 0 (a fresh run
+        only: a resumed one logged it before its checkpoint), so every run's curve starts from
+        the policy GRPO starts from."""
+        if self.rl.warmup_steps > 0 or self.step > 0 or self.checkpoint_step is not None:
+            return []
+        row = {"phase": "eval", "step": 0, **self.evaluate_generated()}
+        if self.dist.is_main:
+            self.log.append(row)
+        return [row]
 
     def stop_reason(self, stop: StopFlag | None, stop_after: int | None) -> str | None:
         """Why the run stops before its next step, or None; every rank gives the same answer."""
