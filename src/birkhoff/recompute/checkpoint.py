@@ -160,9 +160,9 @@ class _Frame:
 
     def free_inputs(self) -> None:
         """reclaim="always": resize every input storage to 0 bytes, whoever still holds it."""
-        inputs, self.inputs = self.inputs, None
-        if self.reclaim != "always" or inputs is None:
+        if self.reclaim != "always" or self.inputs is None:
             return
+        inputs, self.inputs = self.inputs, None  # freed once: the hook or the frame's death
         registry = self.registry or StorageRegistry()
         for a in inputs:
             has_bytes = isinstance(a, Tensor) and storage_key(a) is not None
