@@ -7,7 +7,12 @@ import os
 
 import pytest
 import torch
-from mhc_fold_cases import check_linear_mix_out, check_mix_norm_linear
+from mhc_fold_cases import (
+    check_folded_safe_reclaim,
+    check_folded_train_step,
+    check_linear_mix_out,
+    check_mix_norm_linear,
+)
 
 from birkhoff.kernels.mhc.configs import CONFIG
 
@@ -48,3 +53,11 @@ def test_folded_ops_over_several_tiles(monkeypatch: pytest.MonkeyPatch, dtype: t
     small_tiles(monkeypatch)
     check_mix_norm_linear(2, 9, 4, 40, 36, dtype)
     check_linear_mix_out(2, 9, 4, 40, 36, dtype)
+
+
+def test_folded_model_train_step_matches_the_unfused_ops() -> None:
+    check_folded_train_step("cpu", autocast=False, loss_tol=1e-6, grad_tol=1e-4)
+
+
+def test_folded_model_under_recompute_with_safe_reclaim() -> None:
+    check_folded_safe_reclaim("cpu")
