@@ -18,7 +18,7 @@ from birkhoff.config import ModelConfig
 from birkhoff.model import fold
 from birkhoff.model.hyper import build_hyper_connection
 from birkhoff.model.layers import Attention, RMSNorm
-from birkhoff.model.moe import build_feed_forward
+from birkhoff.model.moe import RoutedFeedForward, build_feed_forward
 
 
 class Block(nn.Module):
@@ -32,14 +32,22 @@ class Block(nn.Module):
         self.hc_mlp = build_hyper_connection(cfg, home=2 * index + 1)
         self.fold = False  # mixes folded into the projections (`apply_fold`)
 
-    def forward(self, x_BTSD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(
+        self, x_BTSD: Tensor, rope: tuple[Tensor, Tensor], input_ids_BT: Tensor | None = None
+    ) -> Tensor:
+        """`input_ids_BT`: the token ids, which a hash-routed MoE layer routes by."""
         if self.fold and fold.attention_folds(self.hc_attn, self.attn, x_BTSD):
             x_BTSD = fold.attention_sublayer(self.hc_attn, self.attn_norm, self.attn, x_BTSD, rope)
         else:
             x_BTSD = self.hc_attn(x_BTSD, lambda h_BTD: self.attn(self.attn_norm(h_BTD), rope))
         if self.fold and fold.mlp_folds(self.hc_mlp, self.mlp, x_BTSD):
             return fold.mlp_sublayer(self.hc_mlp, self.mlp_norm, self.mlp, x_BTSD)
-        return self.hc_mlp(x_BTSD, lambda h_BTD: self.mlp(self.mlp_norm(h_BTD)))
+        return self.hc_mlp(x_BTSD, lambda h_BTD: self.feed_forward(h_BTD, input_ids_BT))
+
+    def feed_forward(self, h_BTD: Tensor, input_ids_BT: Tensor | None) -> Tensor:
+        if isinstance(self.mlp, RoutedFeedForward):
+            return self.mlp(self.mlp_norm(h_BTD), input_ids_BT)
+        return self.mlp(self.mlp_norm(h_BTD))
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)

@@ -61,7 +61,7 @@ def attention_sublayer(
 
 def mlp_sublayer(hc: nn.Module, norm: RMSNorm, mlp: nn.Module, x_BTSD: Tensor) -> Tensor:
     """The SwiGLU sublayer with its mixes folded into the gate/up and down projections."""
-    assert isinstance(hc, HyperConnection) and isinstance(mlp, SwiGLU), "check mlp_folds first"
+    assert isinstance(hc, HyperConnection) and type(mlp) is SwiGLU, "check mlp_folds first"
     pre, post, res = _coefficients(hc, x_BTSD)
     dtype = _compute_dtype(x_BTSD, mlp.w_gate.weight)
     w_ZD = torch.cat((mlp.w_gate.weight, mlp.w_up.weight)).to(dtype)
@@ -70,9 +70,11 @@ def mlp_sublayer(hc: nn.Module, norm: RMSNorm, mlp: nn.Module, x_BTSD: Tensor) -
     return mhc.linear_mix_out(act_BTZ, mlp.w_down.weight.to(dtype), x_BTSD, post, res)
 
 
-def attention_folds(hc: nn.Module, attn: Attention, x_BTSD: Tensor) -> bool:
-    return folds(hc, x_BTSD) and attn.wo.bias is None
+def attention_folds(hc: nn.Module, attn: nn.Module, x_BTSD: Tensor) -> bool:
+    """Exactly `Attention` (a subclass may compute otherwise), without an output bias."""
+    return folds(hc, x_BTSD) and type(attn) is Attention and attn.wo.bias is None
 
 
 def mlp_folds(hc: nn.Module, mlp: nn.Module, x_BTSD: Tensor) -> bool:
-    return folds(hc, x_BTSD) and isinstance(mlp, SwiGLU)
+    """Exactly the dense `SwiGLU` (MoE layers and variants run unfolded)."""
+    return folds(hc, x_BTSD) and type(mlp) is SwiGLU
