@@ -1,4 +1,4 @@
-"""DeepSeek-V4 checkpoint directories: names vs transformers, streamed import/export, fp8, errors."""
+"""DeepSeek-V4 checkpoints: names vs transformers, streamed import/export, fp8, errors."""
 
 from __future__ import annotations
 
