@@ -329,6 +329,7 @@ class RoutedFeedForward(nn.Module):
     bias) and `HashMoEFeedForward` (a token-id table, V4's first layers).
     """
 
+    takes_token_ids = True  # called as mlp(x_BTD, input_ids_BT) by the block
     expert_load: Tensor  # [E] tokens per expert in the last training forward
     balance_loss: Tensor  # [] the last training forward's balance loss, detached
     rerouted: Tensor  # [] fraction of its tokens whose experts the bias changed
