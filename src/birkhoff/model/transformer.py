@@ -114,7 +114,7 @@ class Transformer(nn.Module):
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         x_BTSD = expand_streams(self.residual(self.embed(input_ids_BT)), self.cfg.num_streams)
         for block in self.blocks:
-            x_BTSD = block(x_BTSD, rope)
+            x_BTSD = block(x_BTSD, rope, input_ids_BT)
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
 
     def mtp_hidden(self, multistream_BTSD: Tensor, input_ids_BT: Tensor) -> list[Tensor]:
