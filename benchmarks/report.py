@@ -313,7 +313,7 @@ SECTIONS = [
         "Training step",
         "`benchmarks/train_step.py`",
         "training.md",
-        ("train_step", "train_profile", "activation_memory"),
+        ("train_step", "train_profile", "activation_memory", "stream_dtype"),
         [
             Figure(
                 "S=4 M=1 step (124M, T 2048, B 8, compiled, CUDA graph, bf16 streams)",
@@ -358,6 +358,18 @@ SECTIONS = [
                 "S=4 M=1 step, eager mHC reference (fp32 streams)",
                 "train_step-cuda-eager.json",
                 num("variants/S4_M1/step_ms", ".1f", unit=" ms"),
+            ),
+            Figure(
+                "h200-small, 2,000 steps: final main loss, fp32 / bf16 streams",
+                "stream_dtype-cuda-h100.json",
+                joined(num("runs/0/final_main_loss", ".3f"), num("runs/1/final_main_loss", ".3f")),
+            ),
+            Figure(
+                "h200-small, 2,000 steps: max |H_res row sum - 1|, fp32 / bf16 streams",
+                "stream_dtype-cuda-h100.json",
+                joined(
+                    num("runs/0/max_h_res_row_dev", ".3f"), num("runs/1/max_h_res_row_dev", ".3f")
+                ),
             ),
         ],
     ),

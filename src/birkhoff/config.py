@@ -149,7 +149,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig:
-    """Mixture-of-experts feed-forward (DeepSeek-V3 routing); see docs/moe.md."""
+    """Mixture-of-experts feed-forward (DeepSeek-V3 routing, DeepSeek-V4 options); docs/moe.md."""
 
     num_experts: int  # E routed experts
     experts_per_token: int  # top-k routed experts per token
@@ -159,7 +159,12 @@ class MoEConfig:
     mtp_moe: bool = True  # MTP depths use the MoE feed-forward too
     route_scale: float = 1.0  # routed output scale after the gates are normalised
     bias_update_rate: float = 1e-3  # gamma: per-update step of the load-balancing bias
-    balance_loss_weight: float = 0.0  # alpha of the sequence-wise balance loss; 0 = off
+    balance_loss_weight: float = 0.0  # alpha of the balance loss; 0 = off
+    # DeepSeek-V4 options (defaults: DeepSeek-V3)
+    scoring: Scoring = "sigmoid"  # affinity of the router logits: sigmoid|softmax|sqrtsoftplus
+    num_hash_layers: int = 0  # the first MoE layers pick experts by token id (tid2eid table)
+    swiglu_limit: float | None = None  # clamp gate <= l and up to [-l, l] in every expert
+    balance_loss: BalanceLoss = "sequence"  # sequence (DeepSeek-V3) | switch (V4's, per layer)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "expert_hidden"):
@@ -172,7 +177,7 @@ class MoEConfig:
             k,
             f"must be <= num_experts={self.num_experts}",
         )
-        for name in ("num_shared_experts", "num_dense_layers"):
+        for name in ("num_shared_experts", "num_dense_layers", "num_hash_layers"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")
         check(isinstance(self.mtp_moe, bool), "mtp_moe", self.mtp_moe, "must be a bool")
@@ -181,6 +186,16 @@ class MoEConfig:
         for name in ("bias_update_rate", "balance_loss_weight"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, name, value, "must be finite and >= 0")
+        check(self.scoring in SCORINGS, "scoring", self.scoring, " | ".join(SCORINGS))
+        limit = self.swiglu_limit
+        check(
+            limit is None or (math.isfinite(limit) and limit > 0),
+            "swiglu_limit",
+            limit,
+            "must be None or finite and > 0",
+        )
+        loss = self.balance_loss
+        check(loss in BALANCE_LOSSES, "balance_loss", loss, " | ".join(BALANCE_LOSSES))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MoEConfig:
@@ -283,6 +298,10 @@ def check_v4_options(cfg: ModelConfig) -> None:
     check(scaling in ("none", "yarn"), "rope_scaling", scaling, "V4 attention: none | yarn")
 
 
+Scoring = Literal["sigmoid", "softmax", "sqrtsoftplus"]
+SCORINGS: tuple[str, ...] = ("sigmoid", "softmax", "sqrtsoftplus")
+BalanceLoss = Literal["sequence", "switch"]
+BALANCE_LOSSES: tuple[str, ...] = ("sequence", "switch")
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3", "yarn")
 

@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
     "cases",
     [
         "mhc_interpret_cases.py",
+        "mhc_fold_interpret_cases.py",
         "norm_rope_interpret_cases.py",
         "rng_interpret_cases.py",
         "attention_interpret_cases.py",

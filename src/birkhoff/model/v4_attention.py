@@ -1,7 +1,7 @@
 """DeepSeek-V4 attention (training / prefill path: a full causal sequence); docs/v4.md.
 
 Legend: B batch, T tokens, N key positions, D model dim, H query heads, K head dim, Y compressed
-entries, Z rope pairs, O query low rank.
+entries, O query low rank, K2 rope pairs (qk_rope_head_dim / 2).
 
 Low-rank queries (q_a_proj -> RMSNorm -> q_b_proj -> per-head RMSNorm without weight); one
 key/value head read as both key and value; partial interleaved rope on the trailing
@@ -25,7 +25,7 @@ from birkhoff.model.v4_compressor import Compressor, apply_partial_rope, build_c
 
 
 class V4Rope(NamedTuple):
-    """cos, sin [B,T,Z] (fp64) of the two rope bases: sliding layers use `main`, CSA and HCA
+    """cos, sin [B,T,K2] (fp64) of the two rope bases: sliding layers use `main`, CSA and HCA
     layers and their compressors `compress`."""
 
     main: tuple[Tensor, Tensor]
@@ -45,12 +45,12 @@ def v4_rope(positions_BT: Tensor, cfg: ModelConfig) -> V4Rope:
     v4 = cfg.attention
     assert v4 is not None
     angles_BT1 = positions_BT.to(torch.float64)[..., None]
-    main_Z = v4_inv_freq(v4.qk_rope_head_dim, cfg.rope_theta, positions_BT.device)
-    compress_Z = v4_inv_freq(v4.qk_rope_head_dim, v4.compress_rope_theta, positions_BT.device)
+    main_K2 = v4_inv_freq(v4.qk_rope_head_dim, cfg.rope_theta, positions_BT.device)
+    compress_K2 = v4_inv_freq(v4.qk_rope_head_dim, v4.compress_rope_theta, positions_BT.device)
     if cfg.rope_scaling != "none":
         compress_cfg = cfg.replace(rope_theta=v4.compress_rope_theta)
-        compress_Z = ROPE_SCALING_FNS[cfg.rope_scaling](compress_Z, compress_cfg)
-    main, compress = angles_BT1 * main_Z, angles_BT1 * compress_Z
+        compress_K2 = ROPE_SCALING_FNS[cfg.rope_scaling](compress_K2, compress_cfg)
+    main, compress = angles_BT1 * main_K2, angles_BT1 * compress_K2
     return V4Rope((main.cos(), main.sin()), (compress.cos(), compress.sin()))
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V4's compressed attention branches: the compressors and the CSA indexer.
 
 Legend: B batch, T tokens, D model dim, K head dim (the indexer's: index_head_dim), Y compressed
-entries, Z rope pairs, I indexer heads, O query low rank.
+entries, I indexer heads, O query low rank, K2 rope pairs (qk_rope_head_dim / 2).
 
 A compressor turns every complete window of `ratio` tokens into one key/value entry: a softmax
 over the window's tokens (gate logits + a learned per-slot bias), per channel, weights the
@@ -24,51 +24,51 @@ from birkhoff.config import ModelConfig, V4AttentionConfig
 from birkhoff.model.layers import RMSNorm, _compute_dtype
 
 
-def apply_partial_rope(x_BXTK: Tensor, cos_BTZ: Tensor, sin_BTZ: Tensor) -> Tensor:
-    """V4's rope: rotate the pairs (2i, 2i+1) of the trailing 2Z channels of each head (axis 1
+def apply_partial_rope(x_BHTK: Tensor, cos_BTK2: Tensor, sin_BTK2: Tensor) -> Tensor:
+    """V4's rope: rotate the pairs (2i, 2i+1) of the trailing 2 * K2 channels of each head (axis 1
     of x holds heads or is 1) by the position angle; the leading channels pass unchanged."""
-    Z = cos_BTZ.shape[-1]
-    dtype = _compute_dtype(x_BXTK.dtype)
-    cos, sin = cos_BTZ.to(dtype)[:, None], sin_BTZ.to(dtype)[:, None]
-    nope, rope = x_BXTK[..., : -2 * Z], x_BXTK[..., -2 * Z :]
-    pairs = rope.to(dtype).unflatten(-1, (Z, 2))
-    x1, x2 = pairs[..., 0], pairs[..., 1]
+    pairs = cos_BTK2.shape[-1]
+    dtype = _compute_dtype(x_BHTK.dtype)
+    cos, sin = cos_BTK2.to(dtype)[:, None], sin_BTK2.to(dtype)[:, None]
+    nope, rope = x_BHTK[..., : -2 * pairs], x_BHTK[..., -2 * pairs :]
+    rope_pairs = rope.to(dtype).unflatten(-1, (pairs, 2))
+    x1, x2 = rope_pairs[..., 0], rope_pairs[..., 1]
     rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x_BXTK.dtype)], dim=-1)
+    return torch.cat([nope, rotated.to(x_BHTK.dtype)], dim=-1)
 
 
-def window_chunks(x_BTX: Tensor, ratio: int) -> Tensor:
-    """The complete windows of `ratio` tokens: [B, T // ratio, ratio, X] (a partial tail is
-    dropped: its entry is not complete before the sequence ends)."""
-    B, T, X = x_BTX.shape
+def window_chunks(x: Tensor, ratio: int) -> Tensor:
+    """The complete windows of `ratio` tokens of x [B,T,width]: [B, Y = T // ratio, ratio, width]
+    (a partial tail is dropped: its entry is not complete before the sequence ends)."""
+    B, T, width = x.shape
     Y = T // ratio
-    return x_BTX[:, : Y * ratio].view(B, Y, ratio, X)
+    return x[:, : Y * ratio].view(B, Y, ratio, width)
 
 
-def overlapping_windows(kv_BYmX: Tensor, gate_BYmX: Tensor, K: int) -> tuple[Tensor, Tensor]:
+def overlapping_windows(kv_windows: Tensor, gate_windows: Tensor, K: int) -> tuple[Tensor, Tensor]:
     """CSA's 2 * ratio slots per entry: [Ca of window w-1 | Cb of window w], from the two
     series kv[..., :K] (Ca) and kv[..., K:] (Cb). Entry 0 has no previous window: its first
     slots hold value 0 and gate -inf (weight 0)."""
-    B, Y, m, _ = kv_BYmX.shape
-    kv = kv_BYmX.new_zeros((B, Y, 2 * m, K))
-    gate = gate_BYmX.new_full((B, Y, 2 * m, K), float("-inf"))
-    kv[:, :, m:] = kv_BYmX[..., K:]
-    gate[:, :, m:] = gate_BYmX[..., K:]
+    B, Y, m, _ = kv_windows.shape
+    kv = kv_windows.new_zeros((B, Y, 2 * m, K))
+    gate = gate_windows.new_full((B, Y, 2 * m, K), float("-inf"))
+    kv[:, :, m:] = kv_windows[..., K:]
+    gate[:, :, m:] = gate_windows[..., K:]
     if Y > 1:
-        kv[:, 1:, :m] = kv_BYmX[:, :-1, :, :K]
-        gate[:, 1:, :m] = gate_BYmX[:, :-1, :, :K]
+        kv[:, 1:, :m] = kv_windows[:, :-1, :, :K]
+        gate[:, 1:, :m] = gate_windows[:, :-1, :, :K]
     return kv, gate
 
 
-def pool_windows(kv_BYmK: Tensor, gate_BYmK: Tensor, norm: RMSNorm) -> Tensor:
+def pool_windows(kv_slots: Tensor, gate_slots: Tensor, norm: RMSNorm) -> Tensor:
     """One entry per window: RMSNorm(sum over slots of softmax(gate) * kv) -> [B,Y,K]."""
-    weights = gate_BYmK.softmax(dim=2, dtype=_compute_dtype(gate_BYmK.dtype))
-    return norm((kv_BYmK * weights.to(kv_BYmK.dtype)).sum(dim=2))
+    weights = gate_slots.softmax(dim=2, dtype=_compute_dtype(gate_slots.dtype))
+    return norm((kv_slots * weights.to(kv_slots.dtype)).sum(dim=2))
 
 
-def entry_positions(Y: int, ratio: int, table_BTZ: Tensor) -> Tensor:
+def entry_positions(Y: int, ratio: int, table_BTK2: Tensor) -> Tensor:
     """Rows of a rope table at the entries' positions w * ratio (their windows' first token)."""
-    return table_BTZ[:, : Y * ratio : ratio]
+    return table_BTK2[:, : Y * ratio : ratio]
 
 
 def visible_entries(T: int, Y: int, ratio: int, device: torch.device) -> Tensor:
@@ -92,11 +92,11 @@ class Compressor(nn.Module):
 
     def entries(self, x_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """The roped entries [B,Y,K] of x's complete windows."""
-        kv_BYmX = window_chunks(self.kv_proj(x_BTD), self.ratio)
-        gate_BYmX = window_chunks(self.gate_proj(x_BTD), self.ratio) + self.position_bias
+        kv_windows = window_chunks(self.kv_proj(x_BTD), self.ratio)
+        gate_windows = window_chunks(self.gate_proj(x_BTD), self.ratio) + self.position_bias
         if self.overlap:
-            kv_BYmX, gate_BYmX = overlapping_windows(kv_BYmX, gate_BYmX, self.head_dim)
-        entries_BYK = pool_windows(kv_BYmX, gate_BYmX, self.kv_norm)
+            kv_windows, gate_windows = overlapping_windows(kv_windows, gate_windows, self.head_dim)
+        entries_BYK = pool_windows(kv_windows, gate_windows, self.kv_norm)
         Y = entries_BYK.shape[1]
         cos, sin = (entry_positions(Y, self.ratio, table) for table in rope)
         return apply_partial_rope(entries_BYK[:, None], cos, sin)[:, 0]
@@ -125,10 +125,10 @@ def top_entries(scores_BTY: Tensor, visible_TY: Tensor, k: int) -> Tensor:
     """[B,T,Y] bool: the (at most) k visible entries of highest score for each query."""
     B, T, Y = scores_BTY.shape
     scores_BTY = scores_BTY.masked_fill(~visible_TY, float("-inf"))
-    idx_BTk = scores_BTY.topk(min(k, Y), dim=-1).indices
-    ok_BTk = visible_TY[None].expand(B, T, Y).gather(-1, idx_BTk)  # too-early picks: dropped
+    picks = scores_BTY.topk(min(k, Y), dim=-1).indices  # [B,T,min(k,Y)]
+    visible_picks = visible_TY[None].expand(B, T, Y).gather(-1, picks)  # too-early picks: dropped
     picked = torch.zeros(B, T, Y + 1, dtype=torch.bool, device=scores_BTY.device)
-    return picked.scatter_(-1, torch.where(ok_BTk, idx_BTk, Y), True)[..., :Y]
+    return picked.scatter_(-1, torch.where(visible_picks, picks, Y), True)[..., :Y]
 
 
 class IndexScorer(nn.Module):

@@ -42,6 +42,9 @@ class TrainConfig:
     max_skipped_in_row: int = 5  # this many non-finite steps in a row stop the run
     # fused Triton ops for the mHC modules ("auto": on CUDA) and, in the RL loop, the engine's
     kernels: Kernels = "auto"
+    # mHC mixes folded into the projections around each sublayer where the fused ops run
+    # (model/fold.py; numerics differ from the unfused path by a bf16 rounding, hence opt-in)
+    fold_gemms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -64,6 +67,7 @@ class TrainConfig:
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
         check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
         check(isinstance(self.compile, bool), "compile", self.compile, "must be a bool")
+        check(isinstance(self.fold_gemms, bool), "fold_gemms", self.fold_gemms, "must be a bool")
         check(
             not (self.compile and self.recompute == "full"),
             "compile",
