@@ -178,7 +178,7 @@ def feed_forward(
 ) -> Tensor:
     """The block's MLP: MoE (engine/moe.py) or SwiGLU."""
     if isinstance(m, MoEWeights):
-        return moe_mlp(x_ATD, m, cfg)
+        return moe_mlp(x_ATD, m, cfg, kernels=kernels)
     return mlp(x_ATD, m, kernels=kernels)
 
 
