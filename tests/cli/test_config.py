@@ -11,7 +11,7 @@ import pytest
 
 from birkhoff.cli import main
 from birkhoff.cli.common import UsageError
-from birkhoff.cli.run import resume_notes
+from birkhoff.cli.resume import resume_notes
 from birkhoff.overrides import as_settings
 from birkhoff.presets import PRESETS, get_preset, tiny_cpu
 
