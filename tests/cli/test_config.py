@@ -232,3 +232,11 @@ def test_a_missing_checkpoint_is_named_with_its_flag(tmp_path: Path, capsys) -> 
     assert f"--init {missing}: no such checkpoint directory" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(missing)]) == 2
     assert f"--checkpoint {missing}: no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_checkpoint_every_is_a_flag_of_both_jobs(tmp_path: Path, capsys) -> None:
+    for job, setting in (("run", "rl"), ("train", "train")):
+        assert main([job, "--out", str(tmp_path / job), "--checkpoint-every", "-1"]) == 2
+        assert "--checkpoint-every -1 is invalid: must be an int >= 0" in capsys.readouterr().err
+        assert main(["presets", "tiny-cpu", "--set", f"{setting}.checkpoint_every=7"]) == 0
+        assert "checkpoint_every = 7" in capsys.readouterr().out

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="rl.warmup_steps")
     parser.add_argument("--steps", type=int, default=None, help="rl.num_steps (GRPO steps)")
     parser.add_argument("--seed", type=int, default=None, help="train.seed")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="rl.checkpoint_every (0: at the end)"
+    )
     add_input_arguments(parser)
     add_config_arguments(parser)
     add_resume_arguments(parser)
@@ -93,6 +96,7 @@ FLAGS = {  # dedicated flag -> setting
     "steps": "rl.num_steps",
     "max_new_tokens": "rl.max_new_tokens",
     "seed": "train.seed",
+    "checkpoint_every": "rl.checkpoint_every",
 }
 
 
