@@ -37,8 +37,11 @@ def gemv_kernel(
     BK: tl.constexpr,
 ):
     """SCALED: W is e4m3 codes, one fp32 scale per [SB, SB] block; BN divides SB, so a program's
-    rows share one row of blocks and a K tile's scales are one [BK] vector (a scale loaded per
-    weight, or one per SB-wide run with its own sum, was slower)."""
+    rows share one row of blocks and a K tile's scales are one [BK] vector, multiplied onto x
+    (RB x BK products, not BN x BK; a scale loaded per weight, or one per SB-wide run with its
+    own sum, was slower). One row of codes is summed as a [BN, BK] product, in the layout the
+    codes load in (16 codes a thread: 16-byte loads, converted by cvt.e4m3x2 pairs), so only
+    the small x tile changes layout."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, RB)
     n_ok, r_ok = n < N, r < R
@@ -52,11 +55,16 @@ def gemv_kernel(
             x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
         )  # [RB, BK]
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALED:  # weight = code * its block's scale, in fp32
-            w = w.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
-        # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
-        # loads; the [BN, BK] form of the one-row sum was slower: docs/log/kernels.md)
-        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        if SCALED:  # W = code * its block's scale: the scale goes onto x ([RB, BK], not [BN, BK])
+            xs = x.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
+            if RB == 1:  # the [BN, BK] form: products in the codes' load layout (16-byte loads)
+                acc += tl.sum(xs * w.to(tl.float32), axis=1)[None, :]
+            else:
+                acc += tl.sum(xs[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
+        else:
+            # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
+            # loads; the [BN, BK] form of the one-row sum was slower: docs/log/kernels.md)
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
     out = y_ptr + r[:, None] * N + n[None, :]
@@ -66,8 +74,15 @@ def gemv_kernel(
 MAX_ROWS = 4
 # 2-4 rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
 FEW_ROWS_WEIGHTS = 1 << 22
-# one row, and 2 to MAX_ROWS rows (from sweeps: docs/log/kernels.md)
-CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
+# one row, and 2 to MAX_ROWS rows (from sweeps: docs/log/kernels.md); block-fp8 codes have their
+# own: a byte a weight, so wider K tiles and more rows a program for the same 16-byte loads
+# (one row: 128 codes a thread in flight, 72 registers, no spills at sm_90)
+CONFIG = {
+    "one": dict(BN=4, BK=1024, num_warps=2),
+    "few": dict(BN=2, BK=512, num_warps=2),
+    "one_fp8": dict(BN=8, BK=2048, num_warps=4),
+    "few_fp8": dict(BN=2, BK=512, num_warps=2),
+}
 
 
 def serves(rows: int, N: int, K: int) -> bool:
@@ -115,7 +130,7 @@ def gemv(
             f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
             f"[{N}, {K}] fp8 weight, expected {blocks} float32"
         )
-    cfg = CONFIG["one" if rows == 1 else "few"]
+    cfg = CONFIG[("one" if rows == 1 else "few") + ("_fp8" if fp8 else "")]
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     if fp8 and (block % bn or block & (block - 1)):
         raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")
