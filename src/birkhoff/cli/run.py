@@ -98,7 +98,8 @@ FLAGS = {  # dedicated flag -> setting
 
 def run_preset(args: argparse.Namespace) -> Preset:
     """The preset with the command line's settings; ValueError for bad values."""
-    preset = preset_from_args(args, args.preset, FLAGS)
+    own_task = args.task is None and args.data is None and args.init is None
+    preset = preset_from_args(args, args.preset, FLAGS, own_task=own_task)
     if preset.rl is None:
         raise ValueError(f"preset={args.preset!r} has no RL config")
     if args.threads is not None and args.threads < 1:

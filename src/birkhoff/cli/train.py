@@ -62,7 +62,7 @@ FLAGS = {  # dedicated flag -> setting
 def train_preset(args: argparse.Namespace) -> Preset:
     """The preset with the command line's settings; UsageError for bad values."""
     try:
-        preset = preset_from_args(args, args.preset, FLAGS)
+        preset = preset_from_args(args, args.preset, FLAGS, rollouts=False)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
         check_resume_flags(args)
