@@ -5,8 +5,8 @@ transformers' V4 pins its norms, rope, softmaxes and mHC to fp32 (`.float()`, `t
 whatever the model's dtype. `reference_fp64()` runs that code as written with fp32 read as
 fp64 (the module's `torch` seen through a proxy whose float32 is float64; `Tensor.float`
 leaving fp64 tensors as they are), so an fp64 comparison compares the same math in fp64.
-The reference's MoE is replaced by a dense V4 MLP (its shared-expert SwiGLU, the clamp limit
-far away), the feed-forward birkhoff's V4 blocks have until the V4 MoE lands.
+With `moe=False` the reference's MoE is replaced by a dense V4 MLP (its shared-expert SwiGLU,
+the clamp limit far away); with `moe=True` it keeps V4's MoE (a hash layer, then top-k layers).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from birkhoff.config import ModelConfig, V4AttentionConfig
+from birkhoff.config import ModelConfig, MoEConfig, V4AttentionConfig
+from birkhoff.interop.v4_names import hf_parts
 from birkhoff.model.transformer import Transformer
 
 transformers = __import__("pytest").importorskip("transformers")
@@ -73,15 +74,31 @@ class DenseMLP(nn.Module):
         return self.inner(x)
 
 
-def build_reference(*, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any) -> Any:
-    """A tiny random DeepseekV4ForCausalLM (dense MLPs), every parameter non-trivial."""
+def build_reference(
+    *, seed: int = 0, dtype: torch.dtype = torch.float64, moe: bool = False, **overrides: Any
+) -> Any:
+    """A tiny random DeepseekV4ForCausalLM, every parameter non-trivial (dense MLPs unless
+    `moe`: then layer 0 hash-routed, the others top-k, the expert clamp active)."""
+    if moe:
+        overrides = dict(mlp_layer_types=["hash_moe", "moe", "moe"], swiglu_limit=1.5) | overrides
     config = transformers.DeepseekV4Config(**{**BASE, **overrides})
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the loop over experts (fp64 on CPU)
     torch.manual_seed(seed)
     with reference_fp64():  # rope inverse frequencies computed in fp64
         model = transformers.DeepseekV4ForCausalLM(config)
     for layer in model.model.layers:
-        layer.mlp = DenseMLP(config)
+        if moe:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                pick = [
+                    torch.randperm(config.n_routed_experts)[:2] for _ in range(BASE["vocab_size"])
+                ]
+                gate.tid2eid.copy_(torch.stack(pick))
+            else:
+                gate.e_score_correction_bias.normal_(0.0, 0.3)
+        else:
+            layer.mlp = DenseMLP(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
@@ -93,8 +110,19 @@ def build_reference(*, seed: int = 0, dtype: torch.dtype = torch.float64, **over
     return model.to(dtype).eval()
 
 
-def birkhoff_config(config: Any) -> ModelConfig:
-    """The birkhoff config of a transformers DeepseekV4Config (dense feed-forward, no MTP)."""
+def birkhoff_moe(config: Any) -> MoEConfig:
+    """V4's MoE as birkhoff's MoEConfig."""
+    return MoEConfig(
+        num_experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok,
+        expert_hidden=config.moe_intermediate_size, num_shared_experts=1, num_dense_layers=0,
+        num_hash_layers=config.mlp_layer_types.count("hash_moe"),
+        route_scale=config.routed_scaling_factor, scoring=config.scoring_func,
+        swiglu_limit=config.swiglu_limit,
+    )  # fmt: skip
+
+
+def birkhoff_config(config: Any, *, moe: bool) -> ModelConfig:
+    """The birkhoff config of a transformers DeepseekV4Config (no MTP; dense unless `moe`)."""
     attention = V4AttentionConfig(
         q_lora_rank=config.q_lora_rank, head_dim=config.head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim, layer_types=tuple(config.layer_types),
@@ -112,40 +140,41 @@ def birkhoff_config(config: Any) -> ModelConfig:
         sinkhorn_iters=config.hc_sinkhorn_iters, mhc_eps=config.hc_eps, mtp_depth=0,
         max_seq_len=config.max_position_embeddings, rope_theta=float(config.rope_theta),
         norm_eps=config.rms_norm_eps, attention=attention,
+        moe=birkhoff_moe(config) if moe else None,
     )  # fmt: skip
 
 
-RENAMES = (  # transformers' name piece -> birkhoff's, applied in order
-    ("model.embed_tokens.", "embed."), ("model.layers.", "layers."), ("model.norm.", "norm."),
-    ("model.hc_head.hc_fn", "contraction.phi"), ("model.hc_head.hc_base", "contraction.bias"),
-    ("model.hc_head.hc_scale", "contraction.alpha"), (".self_attn.", ".attn."),
-    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm."),
-    (".attn_hc.", ".hc_attn."), (".ffn_hc.", ".hc_mlp."),
-    (".mlp.inner.gate_proj.", ".mlp.w_gate."), (".mlp.inner.up_proj.", ".mlp.w_up."),
-    (".mlp.inner.down_proj.", ".mlp.w_down."),
-)  # fmt: skip
-HC_PARAMS = {"fn": "phi", "base": "bias", "scale": "alpha"}
+DENSE = {  # birkhoff -> the dense stand-in's names (V4 itself has no dense MLP)
+    "mlp.w_gate.weight": "mlp.inner.gate_proj.weight",
+    "mlp.w_up.weight": "mlp.inner.up_proj.weight",
+    "mlp.w_down.weight": "mlp.inner.down_proj.weight",
+}
 
 
-def birkhoff_name(name: str) -> str:
-    for old, new in RENAMES:
-        name = name.replace(old, new)
-    head, _, leaf = name.rpartition(".")
-    if head.endswith(("hc_attn", "hc_mlp")):
-        leaf = HC_PARAMS[leaf]
-    return f"{head}.{leaf}"
+def reference_names(name: str) -> tuple[str, ...]:
+    """transformers' tensors of birkhoff tensor `name` (interop/v4_names.py, the import's map),
+    concatenated along dim 0 where there are two (the shared expert's gate and up)."""
+    parts = hf_parts(name)
+    if parts is not None:
+        assert parts.dim == 0 or len(parts.names) == 1
+        return parts.names
+    head, _, rest = name.partition(".")
+    index, _, rest = rest.partition(".")
+    return (f"model.layers.{index}.{DENSE[rest]}",)
 
 
-def build_pair(*, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any) -> Any:
-    """(reference, birkhoff Transformer with the same weights, name map birkhoff -> ref)."""
-    reference = build_reference(seed=seed, dtype=dtype, **overrides)
-    model = Transformer(birkhoff_config(reference.config)).to(dtype)
-    names = {birkhoff_name(n): n for n, _ in reference.named_parameters()}
-    ours = dict(model.named_parameters())
-    assert set(names) == set(ours), set(names) ^ set(ours)
+def build_pair(
+    *, seed: int = 0, dtype: torch.dtype = torch.float64, moe: bool = False, **overrides: Any
+) -> Any:
+    """(reference, birkhoff Transformer with the same weights, birkhoff name -> ref names)."""
+    reference = build_reference(seed=seed, dtype=dtype, moe=moe, **overrides)
+    model = Transformer(birkhoff_config(reference.config, moe=moe)).to(dtype)
+    theirs = reference.state_dict()
+    names = {name: reference_names(name) for name in model.state_dict()}
+    assert {n for ns in names.values() for n in ns} == set(theirs)
     with torch.no_grad():
-        for name, param in reference.named_parameters():
-            ours[birkhoff_name(name)].copy_(param)
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(torch.cat([theirs[n] for n in names[name]]))
     return reference, model, names
 
 
