@@ -24,8 +24,13 @@ GEMV_CASES = [((1,), 24, 40, False), ((1, 1), 7, 300, True), ((1, 1, 1), 21, 64,
               ((5,), 45, 600, True), ((2, 4), 200, 70, False)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # block-fp8 W: GEMV_CASES' edge shapes and square block grids (3 x 3, 2 x 2)
-FP8_CASES = [*GEMV_CASES[:4], ((2,), 300, 260, False), ((4,), 256, 256, True),
-             ((3,), 384, 130, True), ((7,), 130, 256, False)]
+FP8_CASES = [
+    *GEMV_CASES[:4],
+    ((2,), 300, 260, False),
+    ((4,), 256, 256, True),
+    ((3,), 384, 130, True),
+    ((7,), 130, 256, False),
+]
 
 
 def rel_err(y: torch.Tensor, want: torch.Tensor) -> float:
