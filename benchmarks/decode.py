@@ -360,6 +360,7 @@ def main() -> None:
         print(f"\n== {name}")
         result[name] = runners[name]()
         result[f"{name}_section_seconds"] = time.perf_counter() - start
+    result.update(summary(result))  # the headline figures as flat top-level keys too
     out = args.out or RESULTS / f"decode-{device.type}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_result(out, result, indent=2)
@@ -369,8 +370,11 @@ def main() -> None:
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """The headline figures, one JSON line."""
+    """The headline figures under flat keys (written into the JSON, printed as one line):
+    `S4-M1_b1_bound_frac`, `spec_b1_k2_speedup`, `moe_over_dense_b64`,
+    `fp8_over_bf16_b1_d2048` (the trunk's dim in the key), ..."""
     s: dict[str, Any] = {"device": result["device"]}
+    args = result["args"]
     for name, rows in result.get("shapes", {}).items():
         for r in rows:
             s[f"{name}_b{r['batch']}_tok_s"] = round(r["tokens_per_s"], 1)
@@ -378,11 +382,15 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                 s[f"{name}_b{r['batch']}_busy"] = round(r["gpu_busy"], 3)
             s[f"{name}_b{r['batch']}_bound_frac"] = round(r["bound_fraction_copy_bw"], 4)
     if "fp8" in result:
-        s["fp8_over_bf16"] = [round(x, 3) for x in result["fp8"]["fp8_over_bf16"]]
+        batches = [r["batch"] for r in result["fp8"]["rows"]["bf16"]]
+        for b, x in zip(batches, result["fp8"]["fp8_over_bf16"], strict=True):
+            s[f"fp8_over_bf16_b{b}_d{args['dim']}"] = round(x, 3)
     for r in result.get("moe", {}).get("rows", {}).get("moe", []):
         s[f"moe_b{r['batch']}_tok_s"] = round(r["tokens_per_s"], 1)
     if "moe" in result:
-        s["moe_over_dense"] = [round(x, 3) for x in result["moe"]["moe_over_dense"]]
+        batches = [r["batch"] for r in result["moe"]["rows"]["moe"]]
+        for b, x in zip(batches, result["moe"]["moe_over_dense"], strict=True):
+            s[f"moe_over_dense_b{b}"] = round(x, 3)
     for r in result.get("spec", []):
         if r["k"]:
             s[f"spec_b{r['batch']}_k{r['k']}_speedup"] = round(r["speedup"], 3)

@@ -3,7 +3,8 @@
 Layers, lowest first (docs: shared DESIGN.md): config <- kernels <- model <- engine <- refit <-
 train <- rl <- presets <- overrides <- cli; a layer never imports a higher one. recompute/ and
 tasks/ are leaves that import nothing above config (tokenizer counts as config's level);
-runtime/ imports config and model; interop/ imports model and runtime, never train, rl or cli.
+runtime/ imports config and model; interop/ imports model, runtime and engine's fp8 format,
+never train, rl or cli.
 Every import counts, also one inside a function (a lazy import is still a dependency). Modules
 are as long as their concept needs; functions stay under MAX_FUNCTION_LINES (STYLE.md rule 1).
 """
@@ -78,7 +79,8 @@ def allowed(subpackage: str) -> set[str]:
     if subpackage in LEAVES:
         return LEAVES[subpackage] | {subpackage}
     if subpackage == "interop":
-        return {"config", "kernels", "model", "runtime", "tokenizer", "interop"}
+        # engine: the block-fp8 format (engine/fp8.py) of checkpoints with fp8 weights
+        return {"config", "kernels", "model", "engine", "runtime", "tokenizer", "interop"}
     below = set(LAYERS[: LAYERS.index(subpackage) + 1]) | set(LEAVES)
     return below | ({"interop"} if subpackage in ("rl", "presets", "overrides", "cli") else set())
 

@@ -60,6 +60,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # None: every feed-forward is a dense SwiGLU
+    # None: grouped-query attention (Llama family); set: DeepSeek-V4 attention (docs/v4.md)
+    attention: V4AttentionConfig | None = None
     # Llama-family options (HuggingFace import, docs/interop.md); defaults are the plain model.
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     attn_out_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
@@ -77,11 +79,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_llama_options(self)
+        if self.attention is not None:
+            check_v4_options(self)
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
         check(
-            self.attn_head_dim is not None or self.dim % self.num_heads == 0,
+            self.attention is not None
+            or self.attn_head_dim is not None
+            or self.dim % self.num_heads == 0,
             "dim",
             self.dim,
             "must divide by num_heads (or set attn_head_dim)",
@@ -109,6 +115,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.attention is not None:
+            return self.attention.head_dim
         return self.dim // self.num_heads if self.attn_head_dim is None else self.attn_head_dim
 
     @property
@@ -134,12 +142,14 @@ class ModelConfig:
         reject_unknown_fields(cls, data)
         if isinstance(data.get("moe"), dict):
             data = {**data, "moe": MoEConfig.from_dict(data["moe"])}
+        if isinstance(data.get("attention"), dict):
+            data = {**data, "attention": V4AttentionConfig.from_dict(data["attention"])}
         return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig:
-    """Mixture-of-experts feed-forward (DeepSeek-V3 routing); see docs/moe.md."""
+    """Mixture-of-experts feed-forward (DeepSeek-V3 routing, DeepSeek-V4 options); docs/moe.md."""
 
     num_experts: int  # E routed experts
     experts_per_token: int  # top-k routed experts per token
@@ -149,7 +159,12 @@ class MoEConfig:
     mtp_moe: bool = True  # MTP depths use the MoE feed-forward too
     route_scale: float = 1.0  # routed output scale after the gates are normalised
     bias_update_rate: float = 1e-3  # gamma: per-update step of the load-balancing bias
-    balance_loss_weight: float = 0.0  # alpha of the sequence-wise balance loss; 0 = off
+    balance_loss_weight: float = 0.0  # alpha of the balance loss; 0 = off
+    # DeepSeek-V4 options (defaults: DeepSeek-V3)
+    scoring: Scoring = "sigmoid"  # affinity of the router logits: sigmoid|softmax|sqrtsoftplus
+    num_hash_layers: int = 0  # the first MoE layers pick experts by token id (tid2eid table)
+    swiglu_limit: float | None = None  # clamp gate <= l and up to [-l, l] in every expert
+    balance_loss: BalanceLoss = "sequence"  # sequence (DeepSeek-V3) | switch (V4's, per layer)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "expert_hidden"):
@@ -162,7 +177,7 @@ class MoEConfig:
             k,
             f"must be <= num_experts={self.num_experts}",
         )
-        for name in ("num_shared_experts", "num_dense_layers"):
+        for name in ("num_shared_experts", "num_dense_layers", "num_hash_layers"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")
         check(isinstance(self.mtp_moe, bool), "mtp_moe", self.mtp_moe, "must be a bool")
@@ -171,6 +186,16 @@ class MoEConfig:
         for name in ("bias_update_rate", "balance_loss_weight"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, name, value, "must be finite and >= 0")
+        check(self.scoring in SCORINGS, "scoring", self.scoring, " | ".join(SCORINGS))
+        limit = self.swiglu_limit
+        check(
+            limit is None or (math.isfinite(limit) and limit > 0),
+            "swiglu_limit",
+            limit,
+            "must be None or finite and > 0",
+        )
+        loss = self.balance_loss
+        check(loss in BALANCE_LOSSES, "balance_loss", loss, " | ".join(BALANCE_LOSSES))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MoEConfig:
@@ -178,6 +203,105 @@ class MoEConfig:
         return cls(**data)
 
 
+V4LayerType = Literal[
+    "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+]
+V4_LAYER_TYPES: tuple[str, ...] = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class V4AttentionConfig:
+    """DeepSeek-V4 attention (docs/v4.md). Fields are named as transformers' DeepseekV4Config
+    names them (`compress_rates` is split into its two entries); the number of query heads is
+    `ModelConfig.num_heads`, the main rope base `ModelConfig.rope_theta`, and a yarn scaling in
+    ModelConfig's rope fields applies to the compressed branches' rope only, as in V4."""
+
+    q_lora_rank: int  # rank of the low-rank query projection (q_a_proj -> q_b_proj)
+    head_dim: int  # K of the queries and of the one shared key/value head
+    qk_rope_head_dim: int  # trailing slice of each head that gets (interleaved) rope
+    layer_types: tuple[V4LayerType, ...]  # one per layer: sliding | CSA | HCA
+    sliding_window: int = 128  # keys t-window+1..t of the sliding branch
+    compress_rate_csa: int = 4  # tokens per compressed entry in CSA layers (overlapping windows)
+    compress_rate_hca: int = 128  # tokens per compressed entry in HCA layers
+    compress_rope_theta: float = 160000.0  # rope base of CSA/HCA layers and their compressors
+    index_n_heads: int = 64  # the CSA indexer's query heads
+    index_head_dim: int = 128  # the CSA indexer's head dim
+    index_topk: int = 512  # compressed entries each query keeps in CSA layers
+    o_groups: int = 8  # head groups of the grouped output projection
+    o_lora_rank: int = 1024  # per-group width of the grouped output projection
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON gives a list
+        for name in (
+            "q_lora_rank",
+            "head_dim",
+            "qk_rope_head_dim",
+            "sliding_window",
+            "compress_rate_csa",
+            "compress_rate_hca",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "o_groups",
+            "o_lora_rank",
+        ):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
+        rope = self.qk_rope_head_dim
+        check(
+            rope % 2 == 0 and rope <= self.head_dim, "qk_rope_head_dim", rope, "even, <= head_dim"
+        )
+        check(self.index_head_dim % 2 == 0, "index_head_dim", self.index_head_dim, "must be even")
+        check(
+            self.index_head_dim >= rope,
+            "index_head_dim",
+            self.index_head_dim,
+            f"must be >= qk_rope_head_dim={rope} (its rope slice)",
+        )
+        theta = self.compress_rope_theta
+        check(math.isfinite(theta) and theta > 0, "compress_rope_theta", theta, "finite and > 0")
+        bad = [t for t in self.layer_types if t not in V4_LAYER_TYPES]
+        check(not bad, "layer_types", bad, f"entries must be one of {V4_LAYER_TYPES}")
+
+    def layer_type(self, index: int) -> V4LayerType:
+        """The kind of layer `index`; blocks past the decoder (MTP depths) are sliding."""
+        return self.layer_types[index] if index < len(self.layer_types) else "sliding_attention"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> V4AttentionConfig:
+        reject_unknown_fields(cls, data)
+        return cls(**data)
+
+
+def check_v4_options(cfg: ModelConfig) -> None:
+    """Cross-field checks of a ModelConfig with V4 attention (`cfg.attention`)."""
+    v4 = cfg.attention
+    check(isinstance(v4, V4AttentionConfig), "attention", v4, "a V4AttentionConfig or None")
+    assert isinstance(v4, V4AttentionConfig)
+    n = len(v4.layer_types)
+    check(n == cfg.num_layers, "attention.layer_types", n, f"needs num_layers={cfg.num_layers}")
+    check(cfg.num_kv_heads == 1, "num_kv_heads", cfg.num_kv_heads, "V4 has one shared KV head")
+    check(
+        cfg.num_heads % v4.o_groups == 0,
+        "attention.o_groups",
+        v4.o_groups,
+        f"must divide num_heads={cfg.num_heads}",
+    )
+    for name in ("qkv_bias", "attn_out_bias", "qk_norm"):
+        check(not getattr(cfg, name), name, getattr(cfg, name), "not an option of V4 attention")
+    check(cfg.attn_head_dim is None, "attn_head_dim", cfg.attn_head_dim, "V4: attention.head_dim")
+    scaling = cfg.rope_scaling
+    check(scaling in ("none", "yarn"), "rope_scaling", scaling, "V4 attention: none | yarn")
+
+
+Scoring = Literal["sigmoid", "softmax", "sqrtsoftplus"]
+SCORINGS: tuple[str, ...] = ("sigmoid", "softmax", "sqrtsoftplus")
+BalanceLoss = Literal["sequence", "switch"]
+BALANCE_LOSSES: tuple[str, ...] = ("sequence", "switch")
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3", "yarn")
 

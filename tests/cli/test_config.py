@@ -11,7 +11,7 @@ import pytest
 
 from birkhoff.cli import main
 from birkhoff.cli.common import UsageError
-from birkhoff.cli.run import resume_notes
+from birkhoff.cli.resume import resume_notes
 from birkhoff.overrides import as_settings
 from birkhoff.presets import PRESETS, get_preset, tiny_cpu
 
@@ -205,3 +205,38 @@ def test_a_run_checkpoint_records_its_resolved_config(tmp_path, capsys) -> None:
     ]
     assert main(again) == 2
     assert "model.dim: 64 -> 32" in capsys.readouterr().err
+
+
+def test_task_settings_are_checked_before_anything_runs(tmp_path: Path, capsys) -> None:
+    out = ["--out", str(tmp_path / "r")]
+    assert main(["train", *out, "--set", "task_options.num_digits=0"]) == 2
+    err = capsys.readouterr().err
+    assert "--set task_options.num_digits=0 is invalid: must be an int in [1, 18]" in err
+    assert main(["run", *out, "--task_options.nope", "1"]) == 2
+    assert "bad options" in capsys.readouterr().err
+    assert main(["train", *out, "--set", "model.max_seq_len=6"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "model.max_seq_len=6 is too short for task 'addition': prompt + answer take up to 8" in err
+    )
+    assert "(with --set model.max_seq_len=6)" in err
+    # a rollout needs room for the prompt and rl.max_new_tokens; supervised training does not
+    assert main(["run", *out, "--set", "model.max_seq_len=8"]) == 2
+    assert "prompts of up to 5 tokens + 4 new tokens" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_missing_checkpoint_is_named_with_its_flag(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "nope"
+    assert main(["run", "--out", str(tmp_path / "r"), "--init", str(missing)]) == 2
+    assert f"--init {missing}: no such checkpoint directory" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(missing)]) == 2
+    assert f"--checkpoint {missing}: no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_checkpoint_every_is_a_flag_of_both_jobs(tmp_path: Path, capsys) -> None:
+    for job, setting in (("run", "rl"), ("train", "train")):
+        assert main([job, "--out", str(tmp_path / job), "--checkpoint-every", "-1"]) == 2
+        assert "--checkpoint-every -1 is invalid: must be an int >= 0" in capsys.readouterr().err
+        assert main(["presets", "tiny-cpu", "--set", f"{setting}.checkpoint_every=7"]) == 0
+        assert "checkpoint_every = 7" in capsys.readouterr().out

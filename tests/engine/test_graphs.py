@@ -346,14 +346,14 @@ def test_heads_attention_gives_the_per_head_greedy_tokens(monkeypatch: pytest.Mo
     torch.manual_seed(0)
     model = Transformer(tiny_config(num_kv_heads=4)).cuda()  # H = G: the kernel's case
     params = [SamplingParams(6 + 5 * i) for i in range(len(PROMPTS))]
-    launched, kernel = [], attention.AT.decode_attention_heads
+    launched, kernel = [], attention.decode_attention_heads
 
     class Counted:  # the kernel, counting its launches
         def __getitem__(self, grid: tuple[int, int]) -> Callable[..., None]:
             launched.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(attention.AT, "decode_attention_heads", Counted())
+    monkeypatch.setattr(attention, "decode_attention_heads", Counted())
     runs = []
     for heads in (dict(attention.HEADS, PAIRS=0), dict(attention.HEADS, HB=0)):
         monkeypatch.setattr(attention, "HEADS", heads)

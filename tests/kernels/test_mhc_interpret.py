@@ -22,9 +22,11 @@ HERE = Path(__file__).resolve().parent
     "cases",
     [
         "mhc_interpret_cases.py",
+        "mhc_fold_interpret_cases.py",
         "norm_rope_interpret_cases.py",
         "rng_interpret_cases.py",
         "attention_interpret_cases.py",
+        "moe_gemv_interpret_cases.py",
     ],
 )
 def test_fused_ops_under_the_triton_interpreter(cases: str) -> None:

@@ -260,9 +260,11 @@ def test_moe_under_safe_recompute_is_identical_and_leaks_nothing(
 class StashingMoE(MoEFeedForward):
     """The historic pattern: the router's scores of the (recomputed) forward kept on `self`."""
 
-    def route_and_compute(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
+    def route_and_compute(
+        self, x_BTD: Tensor, input_ids_BT: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         self.stash = router_scores(x_BTD.flatten(0, 1), self.router.weight)  # keeps its graph
-        return super().route_and_compute(x_BTD)
+        return super().route_and_compute(x_BTD, input_ids_BT)
 
 
 def accumulate_grad_leaves(t: Tensor) -> list[Tensor]:

@@ -205,3 +205,10 @@ def test_round_trip_from_cuda(tmp_path):
     assert_same_state(model.state_dict(), model2.state_dict())
     assert_same_state(opt.state_dict(), opt2.state_dict())
     assert all(s["exp_avg"].is_cuda for s in opt2.state.values())
+
+
+def test_a_missing_directory_is_named_as_such(tmp_path) -> None:
+    from birkhoff.runtime.checkpoint import CheckpointError, read_manifest
+
+    with pytest.raises(CheckpointError, match="checkpoint directory does not exist"):
+        read_manifest(tmp_path / "nope")

@@ -62,14 +62,66 @@ def dotted_overrides(extra: list[str]) -> list[Override]:
 
 
 def preset_from_args(
-    args: argparse.Namespace, name: str, flags: dict[str, str] | None = None
+    args: argparse.Namespace,
+    name: str,
+    flags: dict[str, str] | None = None,
+    *,
+    own_task: bool = True,
+    rollouts: bool = True,
 ) -> Preset:
     """Preset `name` with the command line's settings (`settings_overrides`); ValueError in the
-    user's words."""
+    user's words. `own_task`: the run uses the preset's task, which is checked too (`check_task`;
+    `rollouts`: generated completions must fit as well)."""
     from birkhoff.overrides import apply
     from birkhoff.presets import get_preset
 
-    return apply(get_preset(name), settings_overrides(args, flags))
+    overrides = settings_overrides(args, flags)
+    preset = apply(get_preset(name), overrides)
+    if own_task:
+        check_task(preset, overrides, rollouts=rollouts)
+    return preset
+
+
+TASK_SETTINGS = ("task", "task_options.", "model.max_seq_len", "rl.max_new_tokens")
+NUM_SAMPLED = 64  # problems whose lengths are checked against model.max_seq_len
+
+
+def check_task(preset: Preset, overrides: list[Override], *, rollouts: bool = True) -> None:
+    """The preset's task takes its options, and a fresh model's max_seq_len holds its problems
+    (prompt + answer, and prompt + rl.max_new_tokens for rollouts); ValueError naming the
+    settings the user wrote. A preset that starts from an imported model (its own tokenizer
+    and max_seq_len) gets the options check only."""
+    import random
+
+    from birkhoff.overrides import CHECK_MESSAGE
+    from birkhoff.tasks.batches import build_supervised_batch, prompt_ids
+    from birkhoff.tasks.problems import get_task, sample_problems
+    from birkhoff.tokenizer import CharTokenizer
+
+    labels = [o.label for o in overrides if o.path.startswith(TASK_SETTINGS)]
+    given = f" (with {', '.join(labels)})" if labels else ""
+    try:
+        task = get_task(preset.task, **preset.task_options)
+    except ValueError as err:
+        match = CHECK_MESSAGE.match(str(err))
+        options = {o.path.removeprefix("task_options."): o.label for o in overrides}
+        if match and match[1] in options:
+            raise ValueError(f"{options[match[1]]} is invalid: {match[3]}") from None
+        raise ValueError(f"{err}{given}") from None
+    if preset.init is not None:
+        return
+    tok, limit = CharTokenizer(), preset.model.max_seq_len
+    problems = sample_problems(task, random.Random(0), NUM_SAMPLED)
+    longest = build_supervised_batch(problems, tok).input_ids.shape[1]
+    what = f"prompt + answer take up to {longest} tokens"
+    if rollouts and preset.rl is not None and longest <= limit:
+        prompt = max(len(prompt_ids(p, tok)) for p in problems)
+        new = preset.rl.max_new_tokens
+        longest, what = prompt + new, f"prompts of up to {prompt} tokens + {new} new tokens"
+    if longest > limit:
+        raise ValueError(
+            f"model.max_seq_len={limit} is too short for task {preset.task!r}: {what}{given}"
+        )
 
 
 def settings_overrides(

@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from birkhoff.runtime.dcp import is_sharded_checkpoint
 
+    if not args.checkpoint.is_dir():
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such checkpoint directory")
     if is_sharded_checkpoint(args.checkpoint):
         raise UsageError(
             f"--checkpoint {args.checkpoint}: a sharded checkpoint; run `birkhoff "

@@ -12,38 +12,45 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from birkhoff.cli.common import (
-    OVERWRITE_HINT,
     RunFailed,
     UsageError,
     add_job_arguments,
     check_trackers,
     is_main,
     open_trackers,
-    prepare_on_main,
     set_threads,
     start_job,
 )
 from birkhoff.cli.config import add_config_arguments, preset_from_args
+from birkhoff.cli.resume import (
+    add_resume_arguments,
+    check_resume_flags,
+    check_stop_after,
+    finished_line,
+    prepare_run_dir,
+    stopped_line,
+)
 
 if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.presets import Preset
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.stop import StopFlag
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png", "reference")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny-cpu", help="the run's settings")
     parser.add_argument("--out", type=Path, default=None, help="output dir (runs/<preset>)")
-    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     parser.add_argument("--warmup-steps", type=int, default=None, help="rl.warmup_steps")
     parser.add_argument("--steps", type=int, default=None, help="rl.num_steps (GRPO steps)")
     parser.add_argument("--seed", type=int, default=None, help="train.seed")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="rl.checkpoint_every (0: at the end)"
+    )
     add_input_arguments(parser)
     add_config_arguments(parser)
-    stop_help = "stop (checkpointed) after this global step; --resume later"
-    parser.add_argument("--stop-after", type=int, default=None, help=stop_help)
+    add_resume_arguments(parser)
     add_job_arguments(parser)
 
 
@@ -89,20 +96,19 @@ FLAGS = {  # dedicated flag -> setting
     "steps": "rl.num_steps",
     "max_new_tokens": "rl.max_new_tokens",
     "seed": "train.seed",
+    "checkpoint_every": "rl.checkpoint_every",
 }
 
 
 def run_preset(args: argparse.Namespace) -> Preset:
     """The preset with the command line's settings; ValueError for bad values."""
-    preset = preset_from_args(args, args.preset, FLAGS)
+    own_task = args.task is None and args.data is None and args.init is None
+    preset = preset_from_args(args, args.preset, FLAGS, own_task=own_task)
     if preset.rl is None:
         raise ValueError(f"preset={args.preset!r} has no RL config")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after={args.stop_after} is invalid: must be >= 1")
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --out, --overwrite replaces it: pass one")
+    check_resume_flags(args)
     return preset
 
 
@@ -117,22 +123,7 @@ def run(args: argparse.Namespace) -> int:
     assert preset.rl is not None
     check_trackers(args)
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
-    if args.resume:
-        if not (out / "checkpoint").is_dir():
-            raise UsageError(f"--resume: {out / 'checkpoint'} does not exist")
-        for line in resume_notes(out / "checkpoint", preset):
-            print(line)
-    else:
-        resumable = (out / "checkpoint").is_dir()
-        hint = "pass --resume to continue it or --overwrite to replace it"
-        prepare_on_main(
-            out,
-            overwrite=args.overwrite,
-            outputs=RUN_OUTPUTS,
-            hint=hint if resumable else OVERWRITE_HINT,
-        )
-        if is_main():
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+    prepare_run_dir(out, preset, resume=args.resume, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
     with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
         return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)
 
@@ -150,7 +141,7 @@ def run_grpo(
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.checkpoint import CheckpointError
     from birkhoff.runtime.plots import plot_run
-    from birkhoff.runtime.stop import exit_code, resume_command
+    from birkhoff.runtime.stop import exit_code
     from birkhoff.tasks.guard import VerifierFailureError
     from birkhoff.train.step import NonFiniteError
 
@@ -161,10 +152,7 @@ def run_grpo(
             grpo.resume()
         except (CheckpointError, ValueError) as err:
             raise UsageError(f"--resume: {err}") from err
-        if args.stop_after is not None and args.stop_after <= grpo.step:
-            raise UsageError(
-                f"--stop-after {args.stop_after}: the checkpoint already holds step {grpo.step}"
-            )
+        check_stop_after(args.stop_after, grpo.step)
         if is_main():
             print(resume_line(grpo, out))
         if grpo.step == grpo.total_steps:
@@ -183,14 +171,15 @@ def run_grpo(
     if is_main():
         plot_run(out / "metrics.jsonl", out / "plots.png")
         if grpo.stopped_by is not None:
-            command = resume_command(
-                args.argv, reason=grpo.stopped_by, world_size=grpo.dist.world_size
+            line = stopped_line(
+                out,
+                reason=grpo.stopped_by,
+                step=grpo.step,
+                total=grpo.total_steps,
+                argv=args.argv,
+                world_size=grpo.dist.world_size,
             )
-            print(
-                f"stopped ({grpo.stopped_by}): {out / 'checkpoint'} holds step {grpo.step} "
-                f"of {grpo.total_steps}; resume with: {command}",
-                flush=True,
-            )
+            print(line, flush=True)
         else:
             for line in run_summary(grpo.log.rows(), out):
                 print(line)
@@ -201,10 +190,7 @@ def resume_line(grpo: GRPORun, out: Path) -> str:
     """Where a resumed run continues from (or that it is finished)."""
     warmup, total = grpo.rl.warmup_steps, grpo.total_steps
     if grpo.step == total:
-        return (
-            f"--resume: {out} is finished ({total} of {total} steps); nothing to run "
-            "(raise --steps to continue it)"
-        )
+        return finished_line(out, total)
     phase = (
         f"warm-up step {grpo.step + 1} of {warmup}"
         if grpo.step < warmup
@@ -236,41 +222,3 @@ def run_summary(rows: list[dict[str, Any]], out: Path) -> list[str]:
             f"refit {mean('refit_s') * 1e3:.1f}ms per step"
         )
     return lines
-
-
-IDENTITY = ("name", "task", "task_options", "model")  # what a resumed run may not change
-MAX_DIFF_LINES = 8
-
-
-def resume_notes(path: Path, preset: Preset) -> list[str]:
-    """Compare `preset` with the config the checkpoint recorded: a changed model or task is a
-    UsageError with a field-by-field diff; changed run-time settings give a note."""
-    import json
-
-    from birkhoff.overrides import as_settings, flatten
-    from birkhoff.runtime.checkpoint import CheckpointError
-    from birkhoff.runtime.dcp import checkpoint_extra
-
-    try:
-        recorded = checkpoint_extra(path).get("config")
-    except CheckpointError as err:
-        raise UsageError(f"--resume: {err}") from err
-    if not isinstance(recorded, dict):  # written before checkpoints recorded their config
-        return []
-    before = flatten(recorded)
-    now = flatten(json.loads(json.dumps(as_settings(preset))))
-    # settings on one side only are fields added or removed since: not the run's to compare
-    changed = [k for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
-    lines = [f"  {k}: {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in changed]
-    fixed = [line for k, line in zip(changed, lines, strict=True) if k.startswith(IDENTITY)]
-    if fixed:
-        more = len(fixed) - MAX_DIFF_LINES
-        shown = fixed[:MAX_DIFF_LINES] + ([f"  ... and {more} more"] if more > 0 else [])
-        raise UsageError(
-            f"{path} holds a run of another model or task (checkpoint -> now):\n"
-            + "\n".join(shown)
-            + "\nresume with the checkpoint's settings, or start a new --out"
-        )
-    if lines:
-        return ["--resume: settings changed since the checkpoint (checkpoint -> now):", *lines]
-    return []

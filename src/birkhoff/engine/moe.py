@@ -1,13 +1,17 @@
-"""The engine's MoE feed-forward: the trainer's `moe_ffn` on a block's `MoEWeights` record.
+"""The engine's MoE feed-forward on a block's `MoEWeights` record: gather-and-gemv for a few
+token rows, the trainer's `moe_ffn` otherwise.
 
-Legend: A active rows, T tokens of one chunk, D model dim.
+Legend: A active rows, T tokens of one chunk, X token rows (A*T flattened), D model dim.
 
-Routing and expert math are `birkhoff.model.moe.moe_ffn`, the function the trainer's
-`MoEFeedForward` calls, so the engine routes every token exactly as the trainer does; an fp32
-engine differs from the trainer only by matmul rounding. Routing is per token (no capacity
-limit), so padded slots of a chunk change no real token's experts. fp8 expert stacks are
-dequantized to the activation dtype before the matmuls (`engine.linear.weight`).
-Left out: dequantizing only the selected experts, fp8 grouped GEMMs.
+A few rows (decode, verify and draft chunks of small batches; `kernels.moe_gemv.serves`) with
+fused kernels on take `kernels.moe_gemv`: one routing launch, then one launch that reads only
+the picked experts' gate_up rows (and the shared experts') and one for their down rows and the
+gated sum, fp8 codes decoded in registers: a routed expert costs what a dense gemv of its size
+does. Everything else goes through `birkhoff.model.moe.moe_ffn`, the function the trainer's
+`MoEFeedForward` calls (grouped GEMMs on CUDA), so the engine routes every token exactly as the
+trainer does; its fp8 expert stacks are dequantized to the activation dtype first
+(`engine.linear.weight`). Routing is per token (no capacity limit), so padded slots of a chunk
+change no real token's experts. Both paths equal the trainer's math up to matmul rounding.
 """
 
 from __future__ import annotations
@@ -15,21 +19,27 @@ from __future__ import annotations
 from torch import Tensor
 
 from birkhoff.config import ModelConfig
-from birkhoff.engine.layout import MoEWeights
+from birkhoff.engine.layout import Linear, MoEWeights
 from birkhoff.engine.linear import weight
+from birkhoff.kernels import moe_gemv, use_fused
 from birkhoff.model.moe import moe_ffn
 
 
-def moe_mlp(x_ATD: Tensor, mlp: MoEWeights[Tensor], cfg: ModelConfig) -> Tensor:
+def moe_mlp(
+    x_ATD: Tensor, mlp: MoEWeights[Tensor], cfg: ModelConfig, *, kernels: str = "eager"
+) -> Tensor:
     """Output [A,T,D] of the MoE feed-forward `mlp`."""
     assert cfg.moe is not None, "an MoE layer in a config without moe"
     A, T, D = x_ATD.shape
+    x_XD = x_ATD.reshape(A * T, D)
+    if use_fused(x_ATD, kernels) and moe_gemv.serves(A * T) and _gatherable(mlp):
+        return gather_gemv(x_XD, mlp, cfg).view(A, T, D)
     dtype = x_ATD.dtype
     shared = None
     if mlp.shared_gate_up is not None and mlp.shared_down is not None:
         shared = (weight(mlp.shared_gate_up, dtype), weight(mlp.shared_down, dtype))
-    y_TD, _, _ = moe_ffn(
-        x_ATD.reshape(A * T, D),
+    y_XD, _, _ = moe_ffn(
+        x_XD,
         mlp.router,
         mlp.router_bias,
         weight(mlp.experts_gate_up, dtype),
@@ -37,4 +47,34 @@ def moe_mlp(x_ATD: Tensor, mlp: MoEWeights[Tensor], cfg: ModelConfig) -> Tensor:
         shared,
         moe=cfg.moe,
     )
-    return y_TD.view(A, T, D)
+    return y_XD.view(A, T, D)
+
+
+def _matmuls(mlp: MoEWeights[Tensor]) -> list[Linear[Tensor]]:
+    shared = [lin for lin in (mlp.shared_gate_up, mlp.shared_down) if lin is not None]
+    return [mlp.experts_gate_up, mlp.experts_down, *shared]
+
+
+def _gatherable(mlp: MoEWeights[Tensor]) -> bool:
+    """Every matmul weight block-fp8, or none (the kernels take one format a call)."""
+    return len({lin.scale_inv is None for lin in _matmuls(mlp)}) == 1
+
+
+def gather_gemv(x_XD: Tensor, mlp: MoEWeights[Tensor], cfg: ModelConfig) -> Tensor:
+    """The fused few-row path: route, then the picked experts' SwiGLUs and the shared one [X,D]."""
+    assert cfg.moe is not None
+    expert_ids, gates = moe_gemv.moe_route(
+        x_XD, mlp.router, mlp.router_bias, cfg.moe.experts_per_token, cfg.moe.route_scale
+    )
+    scales = [lin.scale_inv for lin in _matmuls(mlp) if lin.scale_inv is not None]
+    shared_gate_up, shared_down = mlp.shared_gate_up, mlp.shared_down
+    return moe_gemv.moe_experts(  # type: ignore[no-any-return]
+        x_XD,
+        expert_ids,
+        gates,
+        mlp.experts_gate_up.weight,
+        mlp.experts_down.weight,
+        scales,
+        None if shared_gate_up is None else shared_gate_up.weight,
+        None if shared_down is None else shared_down.weight,
+    )

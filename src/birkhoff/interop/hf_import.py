@@ -213,7 +213,23 @@ def write_imported(
     side: dict[str, bytes],
 ) -> Path:
     """The checkpoint of `cfg` at `out`, tensors streamed from `source`, `side` files beside."""
-    plan, producers, aliases = plan_tensors(cfg, source)
+    planned = plan_tensors(cfg, source)
+    return write_planned(out, cfg, planned, extra=extra, side=side)
+
+
+Planned = tuple[list[tuple[str, TensorSpec]], dict[str, Producer], dict[str, str]]
+
+
+def write_planned(
+    out: str | os.PathLike[str],
+    cfg: ModelConfig,
+    planned: Planned,
+    *,
+    extra: dict[str, Any],
+    side: dict[str, bytes],
+) -> Path:
+    """The checkpoint of `cfg` at `out` from a (plan, producers, aliases) triple."""
+    plan, producers, aliases = planned
     meta = {
         "format": FORMAT_VERSION,
         "step": 0,

@@ -3,7 +3,8 @@
 Legend: R activation rows (RB: padded to a power of two), N output features, K input features.
 
 y = x W^T (+ b) for 1 to MAX_ROWS rows, accumulated in fp32 and rounded once: a stream over W
-in [BN, BK] tiles without tensor cores (a few rows have nothing to reuse a weight for).
+in [BN, BK] tiles without tensor cores (a few rows have nothing to reuse a weight for; the rows
+share each weight tile, so a verify or draft chunk of 2-8 rows costs about one row's bytes).
 `engine.linear.linear` calls it where `serves(R, N, K)`; other shapes stay with cuBLAS.
 Block-fp8 weights (quantize="fp8") are decoded in registers from their e4m3 codes and block
 scales (no activation quantization). Launch: BN output features a program (`CONFIG`).
@@ -37,8 +38,11 @@ def gemv_kernel(
     BK: tl.constexpr,
 ):
     """SCALED: W is e4m3 codes, one fp32 scale per [SB, SB] block; BN divides SB, so a program's
-    rows share one row of blocks and a K tile's scales are one [BK] vector (a scale loaded per
-    weight, or one per SB-wide run with its own sum, was slower)."""
+    rows share one row of blocks and a K tile's scales are one [BK] vector, multiplied onto x
+    (RB x BK products, not BN x BK; a scale loaded per weight, or one per SB-wide run with its
+    own sum, was slower). One row of codes is summed as a [BN, BK] product, in the layout the
+    codes load in (16 codes a thread: 16-byte loads, converted by cvt.e4m3x2 pairs), so only
+    the small x tile changes layout."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, RB)
     n_ok, r_ok = n < N, r < R
@@ -52,28 +56,58 @@ def gemv_kernel(
             x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
         )  # [RB, BK]
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALED:  # weight = code * its block's scale, in fp32
-            w = w.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
-        # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
-        # loads; the [BN, BK] form of the one-row sum was slower: docs/log/kernels.md)
-        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        if SCALED:  # W = code * its block's scale: the scale goes onto x ([RB, BK], not [BN, BK])
+            xs = x.to(tl.float32) * tl.load(scales + k // SB, mask=k_ok, other=0.0)[None, :]
+            if RB == 1:  # the [BN, BK] form: products in the codes' load layout (16-byte loads)
+                acc += tl.sum(xs * w.to(tl.float32), axis=1)[None, :]
+            else:
+                acc += tl.sum(xs[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
+        else:
+            # as an [RB, BN, BK] product: its layout gives each thread a contiguous run of K (wide
+            # loads; the [BN, BK] form of the one-row sum was slower: docs/log/kernels.md)
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
     out = y_ptr + r[:, None] * N + n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-MAX_ROWS = 4
-# 2-4 rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
+MAX_ROWS = 8  # a batch-1 verify chunk (J + 1 rows) or draft depth (J + k rows) up to J = 4
+# 2-MAX_ROWS rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
 FEW_ROWS_WEIGHTS = 1 << 22
-# one row, and 2 to MAX_ROWS rows (from sweeps: docs/log/kernels.md)
-CONFIG = {"one": dict(BN=4, BK=1024, num_warps=2), "few": dict(BN=2, BK=512, num_warps=2)}
+# one row, 2-4 rows of a W with N <= K, 2-4 rows with N > K ("wide": few K tiles a program, so
+# more output features a program and narrower K tiles keep loads in flight), 5 to MAX_ROWS
+# rows ("many": a narrower K tile keeps the [RB, BN, BK] product in registers); block-fp8 codes
+# have their own: a byte a weight, so wider K tiles and more rows a program for the same
+# 16-byte loads (one row: 128 codes a thread in flight, 72 registers, no spills at sm_90).
+# "one" and "few" come from sweeps (docs/log/kernels.md); "wide" and "many" are first picks.
+CONFIG = {
+    "one": dict(BN=4, BK=1024, num_warps=2),
+    "few": dict(BN=2, BK=512, num_warps=2),
+    "wide": dict(BN=8, BK=256, num_warps=4),
+    "many": dict(BN=4, BK=256, num_warps=4),
+    "one_fp8": dict(BN=8, BK=2048, num_warps=4),
+    "few_fp8": dict(BN=2, BK=512, num_warps=2),
+    "wide_fp8": dict(BN=8, BK=256, num_warps=4),
+    "many_fp8": dict(BN=4, BK=256, num_warps=4),
+}
 
 
 def serves(rows: int, N: int, K: int) -> bool:
     """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring), bf16
     or block-fp8 (whose other matmul is `kernels.fp8_matmul.fp8_linear`)."""
-    return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K and N * K <= FEW_ROWS_WEIGHTS)
+    return rows == 1 or (2 <= rows <= MAX_ROWS and N * K <= FEW_ROWS_WEIGHTS)
+
+
+def config(rows: int, N: int, K: int, fp8: bool) -> dict[str, int]:
+    """The launch configuration (`CONFIG`) for `rows` rows of W [N, K]."""
+    if rows == 1:
+        name = "one"
+    elif rows > 4:
+        name = "many"
+    else:
+        name = "wide" if N > K else "few"
+    return CONFIG[name + ("_fp8" if fp8 else "")]
 
 
 @torch.library.custom_op("birkhoff::gemv", mutates_args=())
@@ -115,7 +149,7 @@ def gemv(
             f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
             f"[{N}, {K}] fp8 weight, expected {blocks} float32"
         )
-    cfg = CONFIG["one" if rows == 1 else "few"]
+    cfg = config(rows, N, K, fp8)
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     if fp8 and (block % bn or block & (block - 1)):
         raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")

@@ -140,7 +140,9 @@ def mix_in(x_BTSD: Tensor, h_pre_BTS: Tensor, *, kernels: str = "auto") -> Tenso
         return ops.mix_in(x_BTSD, h_pre_BTS)
     dtype = _compute_dtype(x_BTSD.dtype)
     with torch.autocast(device_type=x_BTSD.device.type, enabled=False):
-        y_BTD = torch.einsum("btj,btjd->btd", h_pre_BTS.to(dtype), x_BTSD.to(dtype))
+        # a product and a sum over S, as DeepSeek-V4's reference writes it: its gradients then
+        # agree to the last bit too (an einsum's backward reduces over D in another order)
+        y_BTD = (h_pre_BTS.to(dtype)[..., None] * x_BTSD.to(dtype)).sum(dim=2)
     return y_BTD.to(x_BTSD.dtype)
 
 

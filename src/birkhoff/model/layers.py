@@ -165,15 +165,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-        B, T, _ = x_BTD.shape
-        q_BTHK = self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim)
-        k_BTGK = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
-        v_BTGK = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        heads = self.heads(self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD), rope)
+        return self.wo(heads)
+
+    def heads(self, q: Tensor, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """Attention between the q, k, v projections and wo: [B,T,H*K] from [B,T,H*K] and two
+        [B,T,G*K] (the GEMM-folded sublayer, model/fold.py, projects q, k, v itself)."""
+        B, T, _ = q.shape
+        q_BTHK = q.view(B, T, self.num_heads, self.head_dim)
+        k_BTGK = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v_BTGK = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
         out_BHTK = causal_attention(q_BTHK, k_BTGK, v_BTGK)
-        return self.wo(out_BHTK.transpose(1, 2).reshape(B, T, -1))
+        return out_BHTK.transpose(1, 2).reshape(B, T, -1)
 
 
 def causal_attention(q_BTHK: Tensor, k_BTGK: Tensor, v_BTGK: Tensor) -> Tensor:

@@ -1,20 +1,23 @@
-"""Mixture-of-experts feed-forward with DeepSeek-V3 routing and auxiliary-loss-free balancing.
+"""Mixture-of-experts feed-forward: DeepSeek-V3 routing and balancing, and DeepSeek-V4's variants.
 
 Legend: B batch, T tokens, D model dim, E experts, F expert hidden (2F: gate and up rows fused),
-R experts per token, Q routed (token, expert) pairs = B*T*R.
+R experts per token, Q routed (token, expert) pairs = B*T*R, V vocab.
 
-Sigmoid affinities, top-R selection on affinity + a per-expert bias buffer (moved after each
-optimizer step by `update_router_bias`), gates normalised over the selected experts, plus shared
-experts. The optional sequence-wise balance loss reaches the gradient through `_BalanceLossGrad`.
-Experts are stored stacked ([E, 2F, D], [E, D, F]); `experts_loop` (CPU, reference) and
-`experts_grouped` (grouped GEMMs on CUDA) compute the same outputs. Details: docs/moe.md.
+Affinities s = score(x W_r^T) (V3 sigmoid; V4 sqrt(softplus) or softmax), top-R selection on s +
+a per-expert bias buffer (moved after each optimizer step by `update_router_bias`), gates
+normalised over the selected experts, plus shared experts. V4's hash layers pick the R experts by
+token id from a fixed table (`HashMoEFeedForward`); V4's experts clamp their SwiGLU inputs. The
+optional balance loss (sequence-wise, or V4's Switch form) reaches the gradient through
+`_BalanceLossGrad`. Experts are stored stacked ([E, 2F, D], [E, D, F]); `experts_loop` (CPU,
+reference) and `experts_grouped` (grouped GEMMs on CUDA) compute the same outputs. docs/moe.md.
 Left out: capacity limits and token dropping, node-limited group routing, expert parallelism.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,21 +27,48 @@ from torch import Tensor, nn
 from birkhoff.config import ModelConfig, MoEConfig, check
 from birkhoff.model.layers import SwiGLU, _compute_dtype
 
-ExpertFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+ExpertFn = Callable[..., Tensor]  # (x [T,D], ids [T,R], gates [T,R], w_gate_up, w_down, *, act)
+GateAct = Callable[[Tensor, Tensor], Tensor]  # (gate [*,F], up [*,F]) -> [*,F]
 
 
-def router_scores(x_TD: Tensor, weight_ED: Tensor) -> Tensor:
-    """Sigmoid affinities s [T,E], computed in >= fp32 with autocast off."""
+def _sqrt_softplus(logits: Tensor) -> Tensor:
+    return F.softplus(logits).sqrt()
+
+
+def _softmax(logits: Tensor) -> Tensor:
+    return torch.softmax(logits, dim=-1)
+
+
+# MoEConfig.scoring -> the affinity of the router logits [T,E]
+SCORE_FNS: dict[str, Callable[[Tensor], Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softmax": _softmax,
+    "sqrtsoftplus": _sqrt_softplus,
+}
+
+
+def router_logits(x_TD: Tensor, weight_ED: Tensor) -> Tensor:
+    """Router logits [T,E], computed in >= fp32 with autocast off."""
     dtype = _compute_dtype(x_TD.dtype)
     with torch.autocast(x_TD.device.type, enabled=False):
-        return torch.sigmoid(F.linear(x_TD.to(dtype), weight_ED.to(dtype)))
+        return F.linear(x_TD.to(dtype), weight_ED.to(dtype))
+
+
+def router_scores(x_TD: Tensor, weight_ED: Tensor, scoring: str = "sigmoid") -> Tensor:
+    """Affinities s [T,E] = score(router logits), in >= fp32 with autocast off."""
+    return SCORE_FNS[scoring](router_logits(x_TD, weight_ED))
+
+
+def selected_gates(scores_TE: Tensor, idx_TR: Tensor) -> Tensor:
+    """Gates [T,R]: the selected affinities normalised to sum 1 (+1e-20, as V3 and V4 do)."""
+    picked_TR = scores_TE.gather(-1, idx_TR)
+    return picked_TR / (picked_TR.sum(-1, keepdim=True) + 1e-20)
 
 
 def select_experts(scores_TE: Tensor, bias_E: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(expert ids [T,R], gates [T,R]): top-k of scores + bias; gates from the scores alone."""
     idx_TR = torch.topk(scores_TE + bias_E.to(scores_TE.dtype), k, dim=-1).indices
-    picked_TR = scores_TE.gather(-1, idx_TR)
-    return idx_TR, picked_TR / picked_TR.sum(-1, keepdim=True)
+    return idx_TR, selected_gates(scores_TE, idx_TR)
 
 
 def count_load(idx_TR: Tensor, num_experts: int) -> Tensor:
@@ -71,6 +101,28 @@ def sequence_balance_loss(scores_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
     return (f_BE * p_BE).sum(-1).mean()
 
 
+def switch_balance_loss(
+    logits: Sequence[Tensor], num_experts: int, top_k: int, mask_BT: Tensor | None = None
+) -> Tensor:
+    """DeepSeek-V4's (transformers' Switch-Transformer) balance loss over the layers' router
+    logits [B*T, E]: E * sum_e f_e P_e, f_e = share of top-k picks of softmax(logits) going to e
+    (times k), P_e = mean softmax probability of e, both pooled over the layers (and masked-in
+    tokens of `mask_BT`) before the product. f carries no gradient."""
+    picks_E = torch.zeros(num_experts, dtype=torch.float32, device=logits[0].device)
+    prob_E = torch.zeros_like(picks_E)
+    rows = picks_E.new_zeros(())
+    for logits_QE in logits:
+        w_Q = torch.ones(logits_QE.shape[0], device=picks_E.device)
+        if mask_BT is not None:
+            w_Q = mask_BT.reshape(-1).to(picks_E)
+        probs_QE = torch.softmax(logits_QE, dim=-1)
+        idx_QR = torch.topk(probs_QE, top_k, dim=-1).indices
+        picks_E = picks_E.scatter_add(0, idx_QR.reshape(-1), w_Q.repeat_interleave(top_k))
+        prob_E = prob_E + (probs_QE.float() * w_Q[:, None]).sum(0)
+        rows = rows + w_Q.sum()
+    return num_experts * ((picks_E / rows) * (prob_E / rows)).sum()
+
+
 class _BalanceLossGrad(torch.autograd.Function):
     """Identity on `out`; backward also sends d(total)/d(aux) = weight into the aux graph."""
 
@@ -85,10 +137,29 @@ class _BalanceLossGrad(torch.autograd.Function):
         return grad_out, aux_grad, None
 
 
-def swiglu(x_TD: Tensor, w_gate_up_2FD: Tensor, w_down_DF: Tensor) -> Tensor:
+def silu_mul(gate_TF: Tensor, up_TF: Tensor) -> Tensor:
+    """SwiGLU's activation silu(gate) * up."""
+    return F.silu(gate_TF) * up_TF
+
+
+def clamped_silu_mul(gate_TF: Tensor, up_TF: Tensor, *, limit: float) -> Tensor:
+    """DeepSeek-V4's expert activation: silu(min(gate, l)) * clamp(up, -l, l)."""
+    return F.silu(gate_TF.clamp(max=limit)) * up_TF.clamp(min=-limit, max=limit)
+
+
+def gate_act(moe: MoEConfig) -> GateAct:
+    """The experts' activation of `moe`: clamped (V4's `swiglu_limit`) or plain."""
+    if moe.swiglu_limit is None:
+        return silu_mul
+    return functools.partial(clamped_silu_mul, limit=moe.swiglu_limit)
+
+
+def swiglu(
+    x_TD: Tensor, w_gate_up_2FD: Tensor, w_down_DF: Tensor, *, act: GateAct = silu_mul
+) -> Tensor:
     """One fused-layout SwiGLU: w_gate_up = [gate rows; up rows] ([2F, D]), w_down [D, F]."""
     gate_TF, up_TF = F.linear(x_TD, w_gate_up_2FD).chunk(2, dim=-1)
-    return F.linear(F.silu(gate_TF) * up_TF, w_down_DF)
+    return F.linear(act(gate_TF, up_TF), w_down_DF)
 
 
 def _combine(y_QD: Tensor, gates_TR: Tensor) -> Tensor:
@@ -103,7 +174,13 @@ def _combine(y_QD: Tensor, gates_TR: Tensor) -> Tensor:
 
 
 def experts_loop(
-    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor
+    x_TD: Tensor,
+    idx_TR: Tensor,
+    gates_TR: Tensor,
+    w_gate_up_E2FD: Tensor,
+    w_down_EDF: Tensor,
+    *,
+    act: GateAct = silu_mul,
 ) -> Tensor:
     """Reference expert computation: one SwiGLU per expert over the pairs routed to it."""
     R = idx_TR.shape[1]
@@ -113,7 +190,7 @@ def experts_loop(
         rows_e = (flat_Q == e).nonzero().squeeze(1)
         if rows_e.numel() > 0:
             rows.append(rows_e)
-            outs.append(swiglu(x_TD[rows_e // R], w_gate_up_E2FD[e], w_down_EDF[e]))
+            outs.append(swiglu(x_TD[rows_e // R], w_gate_up_E2FD[e], w_down_EDF[e], act=act))
     # outputs in expert order -> (token, slot) order
     y_QD = torch.cat(outs)[torch.argsort(torch.cat(rows))]
     return _combine(y_QD, gates_TR)
@@ -140,7 +217,13 @@ def grouped_mm_supported(x_TD: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tenso
 
 
 def experts_grouped(
-    x_TD: Tensor, idx_TR: Tensor, gates_TR: Tensor, w_gate_up_E2FD: Tensor, w_down_EDF: Tensor
+    x_TD: Tensor,
+    idx_TR: Tensor,
+    gates_TR: Tensor,
+    w_gate_up_E2FD: Tensor,
+    w_down_EDF: Tensor,
+    *,
+    act: GateAct = silu_mul,
 ) -> Tensor:
     """Expert computation without a loop: sort pairs by expert, two grouped GEMMs, un-sort."""
     E, R = w_gate_up_E2FD.shape[0], idx_TR.shape[1]
@@ -150,7 +233,7 @@ def experts_grouped(
     mm = _grouped_mm()
     x_QD = x_TD[order_Q // R]
     gate_QF, up_QF = mm(x_QD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
-    y_QD = mm(F.silu(gate_QF) * up_QF, w_down_EDF.transpose(-2, -1), offs=offs_E)
+    y_QD = mm(act(gate_QF, up_QF), w_down_EDF.transpose(-2, -1), offs=offs_E)
     inverse_Q = torch.empty_like(order_Q)
     inverse_Q[order_Q] = torch.arange(order_Q.numel(), device=order_Q.device)
     return _combine(y_QD[inverse_Q], gates_TR)
@@ -173,26 +256,36 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
 def moe_ffn(
     x_TD: Tensor,
     router_weight_ED: Tensor,
-    router_bias_E: Tensor,
+    router_bias_E: Tensor | None,
     w_gate_up_E2FD: Tensor,
     w_down_EDF: Tensor,
     shared: tuple[Tensor, Tensor] | None,
     *,
     moe: MoEConfig,
+    expert_ids_TR: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(output [T,D], scores [T,E], expert ids [T,R]) of one MoE feed-forward.
+    """(output [T,D], router logits [T,E], expert ids [T,R]) of one MoE feed-forward.
 
     The one routing + expert computation of the trainer and the engine: routing in >= fp32 from
     `x_TD`, experts (and `shared` = (w_gate_up, w_down), if any) in the dtype of the expert weights.
+    The experts are top-R of scores + `router_bias_E`, or `expert_ids_TR` where given (V4's hash
+    layers: the table's ids, no bias); the gates come from the scores either way.
     """
-    scores_TE = router_scores(x_TD, router_weight_ED)
-    idx_TR, gates_TR = select_experts(scores_TE, router_bias_E, moe.experts_per_token)
+    logits_TE = router_logits(x_TD, router_weight_ED)
+    scores_TE = SCORE_FNS[moe.scoring](logits_TE)
+    if expert_ids_TR is None:
+        assert router_bias_E is not None, "top-k routing needs the router bias"
+        idx_TR, gates_TR = select_experts(scores_TE, router_bias_E, moe.experts_per_token)
+    else:
+        idx_TR, gates_TR = expert_ids_TR, selected_gates(scores_TE, expert_ids_TR)
     xc_TD = x_TD.to(w_gate_up_E2FD.dtype)
+    act = gate_act(moe)
     expert_fn = pick_expert_fn(xc_TD, w_gate_up_E2FD, w_down_EDF)
-    y_TD = expert_fn(xc_TD, idx_TR, gates_TR * moe.route_scale, w_gate_up_E2FD, w_down_EDF)
+    gates_TR = gates_TR * moe.route_scale
+    y_TD = expert_fn(xc_TD, idx_TR, gates_TR, w_gate_up_E2FD, w_down_EDF, act=act)
     if shared is not None:
-        y_TD = y_TD + swiglu(xc_TD, *shared)
-    return y_TD, scores_TE, idx_TR
+        y_TD = y_TD + swiglu(xc_TD, *shared, act=act)
+    return y_TD, logits_TE, idx_TR
 
 
 class StackedExperts(nn.Module):
@@ -213,10 +306,30 @@ class SharedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(dim, hidden))
 
 
-class MoEFeedForward(nn.Module):
-    """Shared experts + top-R routed experts; records load and balance loss in buffers."""
+def _sequence_loss(logits_BTE: Tensor, idx_BTR: Tensor, moe: MoEConfig) -> Tensor:
+    return sequence_balance_loss(SCORE_FNS[moe.scoring](logits_BTE), idx_BTR)
 
-    router_bias: Tensor  # [E] selection bias, fp32, persistent (checkpoints, refit)
+
+def _switch_loss(logits_BTE: Tensor, idx_BTR: Tensor, moe: MoEConfig) -> Tensor:
+    logits_QE = logits_BTE.flatten(0, 1)
+    return switch_balance_loss([logits_QE], moe.num_experts, moe.experts_per_token)
+
+
+# MoEConfig.balance_loss -> the balance loss of one layer's routing
+BALANCE_FNS: dict[str, Callable[[Tensor, Tensor, MoEConfig], Tensor]] = {
+    "sequence": _sequence_loss,
+    "switch": _switch_loss,
+}
+
+
+class RoutedFeedForward(nn.Module):
+    """Shared experts + R of E routed experts; records load and balance loss in buffers.
+
+    Subclasses say how the R experts are picked: `MoEFeedForward` (top-R of the scores + a
+    bias) and `HashMoEFeedForward` (a token-id table, V4's first layers).
+    """
+
+    takes_token_ids = True  # called as mlp(x_BTD, input_ids_BT) by the block
     expert_load: Tensor  # [E] tokens per expert in the last training forward
     balance_loss: Tensor  # [] the last training forward's balance loss, detached
     rerouted: Tensor  # [] fraction of its tokens whose experts the bias changed
@@ -226,7 +339,6 @@ class MoEFeedForward(nn.Module):
         self.moe = moe
         E = moe.num_experts
         self.router = nn.Linear(cfg.dim, E, bias=False)
-        self.register_buffer("router_bias", torch.zeros(E))
         self.experts = StackedExperts(E, cfg.dim, moe.expert_hidden)
         self.shared: SharedExperts | None = None
         if moe.num_shared_experts > 0:
@@ -245,40 +357,97 @@ class MoEFeedForward(nn.Module):
                 nn.init.normal_(experts.w_gate_up, std=0.02)
                 nn.init.normal_(experts.w_down, std=out_std)
 
-    def route_and_compute(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
+    def selection(self, input_ids_BT: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """(selection bias [E], fixed expert ids [B*T,R]): how this layer picks its experts."""
+        raise NotImplementedError
+
+    def layer_balance_loss(self, logits_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
+        """This layer's balance loss, with its graph."""
+        return BALANCE_FNS[self.moe.balance_loss](logits_BTE, idx_BTR, self.moe)
+
+    def route_and_compute(
+        self, x_BTD: Tensor, input_ids_BT: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(output [B,T,D], balance loss with its graph); also records the load when training."""
         B, T, D = x_BTD.shape
         dtype = _matmul_dtype(x_BTD)
         shared = None
         if self.shared is not None:
             shared = (self.shared.w_gate_up.to(dtype), self.shared.w_down.to(dtype))
-        y_TD, scores_TE, idx_TR = moe_ffn(
+        bias_E, ids_TR = self.selection(input_ids_BT)
+        y_TD, logits_TE, idx_TR = moe_ffn(
             x_BTD.reshape(B * T, D),
             self.router.weight,
-            self.router_bias,
+            bias_E,
             self.experts.w_gate_up.to(dtype),
             self.experts.w_down.to(dtype),
             shared,
             moe=self.moe,
+            expert_ids_TR=ids_TR,
         )
-        aux = sequence_balance_loss(scores_TE.view(B, T, -1), idx_TR.view(B, T, -1))
+        aux = self.layer_balance_loss(logits_TE.view(B, T, -1), idx_TR.view(B, T, -1))
         if self.training:
-            self.record(scores_TE, idx_TR, aux)
+            self.record(logits_TE, idx_TR, aux)
         return y_TD.view(B, T, D), aux
 
     @torch.no_grad()
-    def record(self, scores_TE: Tensor, idx_TR: Tensor, aux: Tensor) -> None:
+    def record(self, logits_TE: Tensor, idx_TR: Tensor, aux: Tensor) -> None:
         """Overwrite (never accumulate) the statistics of the last training forward, in place."""
         self.expert_load.copy_(count_load(idx_TR, self.moe.num_experts))
         self.balance_loss.copy_(aux)
-        self.rerouted.copy_(rerouted_fraction(scores_TE, idx_TR))
+        self.rerouted.copy_(self.rerouted_by_bias(logits_TE, idx_TR))
 
-    def forward(self, x_BTD: Tensor) -> Tensor:
-        out_BTD, aux = self.route_and_compute(x_BTD)
+    def rerouted_by_bias(self, logits_TE: Tensor, idx_TR: Tensor) -> Tensor:
+        return rerouted_fraction(SCORE_FNS[self.moe.scoring](logits_TE), idx_TR)
+
+    def forward(self, x_BTD: Tensor, input_ids_BT: Tensor | None = None) -> Tensor:
+        out_BTD, aux = self.route_and_compute(x_BTD, input_ids_BT)
         weight = self.moe.balance_loss_weight
-        if weight > 0 and torch.is_grad_enabled():
+        if weight > 0 and torch.is_grad_enabled() and aux.requires_grad:
             out_BTD = _BalanceLossGrad.apply(out_BTD, aux, weight)
         return out_BTD
+
+
+class MoEFeedForward(RoutedFeedForward):
+    """Top-R routing on the scores + a per-expert bias (DeepSeek-V3, V4's later layers)."""
+
+    router_bias: Tensor  # [E] selection bias, fp32, persistent (checkpoints, refit)
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+        super().__init__(cfg, moe)
+        self.register_buffer("router_bias", torch.zeros(moe.num_experts))
+
+    def selection(self, input_ids_BT: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        return self.router_bias, None
+
+
+def default_hash_table(vocab_size: int, num_experts: int, k: int) -> Tensor:
+    """tid2eid [V,R]: token v visits experts (v*R + r) mod E, r < R: R distinct, even load."""
+    return (torch.arange(vocab_size)[:, None] * k + torch.arange(k)) % num_experts
+
+
+class HashMoEFeedForward(RoutedFeedForward):
+    """DeepSeek-V4's hash-routed MoE: token v's experts are `tid2eid[v]`, a fixed table (a
+    persistent buffer: checkpoints carry it); the router only weights them. No selection bias
+    and no balance loss: nothing learned decides the load."""
+
+    tid2eid: Tensor  # [V,R] int64 expert ids per token id
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+        super().__init__(cfg, moe)
+        k = moe.experts_per_token
+        self.register_buffer("tid2eid", default_hash_table(cfg.vocab_size, moe.num_experts, k))
+
+    def selection(self, input_ids_BT: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        if input_ids_BT is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids: pass input_ids_BT")
+        return None, self.tid2eid[input_ids_BT.reshape(-1)]
+
+    def layer_balance_loss(self, logits_BTE: Tensor, idx_BTR: Tensor) -> Tensor:
+        return logits_BTE.new_zeros(())
+
+    def rerouted_by_bias(self, logits_TE: Tensor, idx_TR: Tensor) -> Tensor:
+        return logits_TE.new_zeros(())
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -290,25 +459,41 @@ def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     return cfg.moe.mtp_moe
 
 
-def build_feed_forward(cfg: ModelConfig, index: int) -> SwiGLU | MoEFeedForward:
-    """The feed-forward of Block `index`: dense SwiGLU or MoE (see `is_moe_layer`)."""
+def is_hash_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether Block `index` is one of the first `num_hash_layers` MoE layers (never MTP)."""
+    if cfg.moe is None or index >= cfg.num_layers:
+        return False
+    dense = cfg.moe.num_dense_layers
+    return dense <= index < dense + cfg.moe.num_hash_layers
+
+
+def build_feed_forward(cfg: ModelConfig, index: int) -> SwiGLU | RoutedFeedForward:
+    """The feed-forward of Block `index`: dense SwiGLU, hash-routed or top-R MoE."""
     moe = cfg.moe
     if moe is None:
         return SwiGLU(cfg)
     check(isinstance(moe, MoEConfig), "moe", moe, "must be a MoEConfig or None")
     dense = moe.num_dense_layers
     check(dense <= cfg.num_layers, "moe.num_dense_layers", dense, f"> num_layers={cfg.num_layers}")
+    hashed = moe.num_hash_layers
+    room = cfg.num_layers - dense
+    check(hashed <= room, "moe.num_hash_layers", hashed, f"> num_layers - num_dense={room}")
+    if is_hash_layer(cfg, index):
+        return HashMoEFeedForward(cfg, moe)
     return MoEFeedForward(cfg, moe) if is_moe_layer(cfg, index) else SwiGLU(cfg)
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+def moe_layers(model: nn.Module) -> list[tuple[str, RoutedFeedForward]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedFeedForward)]
 
 
 @torch.no_grad()
 def update_router_bias(model: nn.Module) -> None:
-    """b_e -= gamma * sign(load_e - mean load) for every MoE layer (after the optimizer step)."""
+    """b_e -= gamma * sign(load_e - mean load) for every top-R MoE layer (after the optimizer
+    step); hash-routed layers have no bias."""
     for _, layer in moe_layers(model):
+        if not isinstance(layer, MoEFeedForward):
+            continue
         load_E = layer.expert_load
         layer.router_bias.sub_(
             layer.moe.bias_update_rate * torch.sign(load_E - load_E.mean()).to(layer.router_bias)

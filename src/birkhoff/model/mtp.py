@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.model.block import Block
+from birkhoff.model.block import Block, RopeTables
 from birkhoff.model.hyper import build_contraction
 from birkhoff.model.layers import RMSNorm, rms_norm
 from birkhoff.model.logprobs import token_logprobs
@@ -88,7 +88,7 @@ class MTPDepth(nn.Module):
             project=self.proj,
         )
 
-    def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, h_BTSD: Tensor, emb_BTD: Tensor, rope: RopeTables) -> Tensor:
         """h_k = Block_k(h'_k): the merge, then the depth's mHC block, as one recompute unit."""
         return self.block(self.merge(h_BTSD, emb_BTD), rope)
 

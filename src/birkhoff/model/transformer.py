@@ -22,11 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.model.block import Block
+from birkhoff.model.block import Block, RopeTables
 from birkhoff.model.hyper import build_contraction, expand_streams
 from birkhoff.model.layers import RMSNorm, rope_tables
 from birkhoff.model.logprobs import token_logprobs
 from birkhoff.model.mtp import MTPDepth, combine_losses, masked_mean, masked_token_ce, shift_targets
+from birkhoff.model.v4_attention import v4_rope
 
 
 class DecoderOutput(NamedTuple):
@@ -94,11 +95,13 @@ class Transformer(nn.Module):
         out_std = 0.02 / math.sqrt(2 * (self.cfg.num_layers + self.cfg.mtp_depth))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
-                is_out = name.endswith(("attn.wo", "mlp.w_down"))
+                is_out = name.endswith(("attn.wo", "attn.o_b_proj", "mlp.w_down"))
                 nn.init.normal_(module.weight, std=out_std if is_out else 0.02)
 
-    def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def rope(self, T: int, device: torch.device) -> RopeTables:
         positions_BT = torch.arange(T, device=device)[None, :]
+        if self.cfg.attention is not None:
+            return v4_rope(positions_BT, self.cfg)
         return rope_tables(positions_BT, self.cfg.head_dim, self.cfg.rope_theta, cfg=self.cfg)
 
     def residual(self, x_BTD: Tensor) -> Tensor:
@@ -114,7 +117,7 @@ class Transformer(nn.Module):
         rope = self.rope(input_ids_BT.shape[1], input_ids_BT.device)
         x_BTSD = expand_streams(self.residual(self.embed(input_ids_BT)), self.cfg.num_streams)
         for block in self.blocks:
-            x_BTSD = block(x_BTSD, rope)
+            x_BTSD = block(x_BTSD, rope, input_ids_BT)
         return DecoderOutput(self.norm(self.contraction(x_BTSD)), x_BTSD)
 
     def mtp_hidden(self, multistream_BTSD: Tensor, input_ids_BT: Tensor) -> list[Tensor]:

@@ -44,6 +44,8 @@ def run_inputs(
     if init is None and preset.init is not None:
         init = preset_init(preset, out)
     if init is not None:
+        if not Path(init).exists():
+            raise ValueError(f"--init {init}: no such checkpoint directory")
         chat = task in FREE_TEXT_TASKS or preset.task_options.get("style") == "chat"
         preset, kwargs = init_inputs(Path(init), preset, chat=chat)
     if task is not None:

@@ -39,7 +39,6 @@ from birkhoff.rl.mtp_warmup import self_distill_steps
 from birkhoff.rl.reduce import rollout_metrics
 from birkhoff.rl.rollout import RLBatch, build_rl_batch, check_staleness, rollout
 from birkhoff.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from birkhoff.runtime.dcp import is_sharded_checkpoint, load_sharded, save_sharded
 from birkhoff.runtime.distributed import (
     check_world_size,
     current,
@@ -52,7 +51,8 @@ from birkhoff.runtime.distributed import (
 )
 from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.runtime.progress import Progress
-from birkhoff.runtime.stop import STOP_AFTER, StopFlag
+from birkhoff.runtime.resume import load_run_checkpoint, save_run_checkpoint, stop_reason
+from birkhoff.runtime.stop import StopFlag
 from birkhoff.tasks.problems import (
     Problem,
     Task,
@@ -300,12 +300,19 @@ class GRPORun:
     def save(self) -> None:
         extra = {
             "engine_version": self.engine.weight_version,
+            "job": "run",
             "preset": self.preset.name,
             "config": as_settings(self.preset),
             **self.skips.state(),
         }  # the resolved settings, for --resume
-        save = save_sharded if self.dist.enabled else save_checkpoint
-        save(self.out / CHECKPOINT_DIR, self.model, self.optimizer, step=self.step, extra=extra)
+        save_run_checkpoint(
+            self.out / CHECKPOINT_DIR,
+            self.model,
+            self.optimizer,
+            step=self.step,
+            extra=extra,
+            sharded=self.dist.enabled,
+        )
         self.checkpoint_step = self.step
 
     def freeze_reference(self) -> Transformer:
@@ -321,18 +328,13 @@ class GRPORun:
         engine is refit from the restored shards; in one process it is the safetensors format.
         """
         path = self.out / CHECKPOINT_DIR
-        if is_sharded_checkpoint(path) != self.dist.enabled:
-            kind = "sharded (torchrun)" if self.dist.enabled else "single-process"
+        step, extra = load_run_checkpoint(
+            path, self.model, self.optimizer, sharded=self.dist.enabled
+        )
+        if extra.get("job", "run") != "run":
             raise CheckpointError(
-                f"{path}: this run needs a {kind} checkpoint; resume a sharded "
-                "one under torchrun, or consolidate it first"
+                f"{path} holds a `birkhoff {extra['job']}` run; `birkhoff run` resumes only its own"
             )
-        if self.dist.enabled:
-            step, extra = load_sharded(path, self.model, self.optimizer, restore_rng=True)[1:3]
-        else:
-            step, extra = load_checkpoint(
-                path, model=self.model, optimizer=self.optimizer, restore_rng=True
-            )[2:4]
         if extra.get("preset") != self.preset.name:
             raise ValueError(f"checkpoint preset {extra.get('preset')!r} != {self.preset.name!r}")
         self.step = self.checkpoint_step = step
@@ -394,14 +396,9 @@ class GRPORun:
 
     def stop_reason(self, stop: StopFlag | None, stop_after: int | None) -> str | None:
         """Why the run stops before its next step, or None; every rank gives the same answer."""
-        reason = stop.reason if stop is not None else None
-        if self.dist.enabled:  # the signal may reach the ranks before different steps
-            flag = {"stop": float(reason is not None)}
-            if reduce_floats(flag, "max", self.device)["stop"] > 0:
-                reason = reason or "a signal to another rank"
-        if reason is None and stop_after is not None and self.step >= stop_after:
-            reason = STOP_AFTER
-        return reason
+        return stop_reason(
+            stop, stop_after, step=self.step, distributed=self.dist.enabled, device=self.device
+        )
 
     def finish_step(self, row: dict[str, Any], bar: Progress) -> list[dict[str, Any]]:
         """After a step: refit at the end of the warm-up, evaluate, log, checkpoint."""

@@ -186,6 +186,8 @@ def save_checkpoint(
 
 def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     manifest_path = path / MANIFEST_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing (incomplete or not a checkpoint)")
     try:

@@ -52,6 +52,7 @@ class ShardedCheckpoint(NamedTuple):
     step: int
     extra: dict[str, Any]
     world_size: int  # of the run that wrote it
+    optimizer_fresh: bool = False  # saved before the optimizer's first step (no state)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -103,12 +104,17 @@ def save_sharded(
     if step < 0:
         raise ValueError(f"step={step} is invalid: must be >= 0")
     path, (rank, world) = Path(path_dir), _rank_world()
+    # get_state_dict gives an optimizer without state one by an lr-0 step, which counts for
+    # AdamW's bias correction: one that has not stepped yet is neither saved nor loaded
+    fresh = optimizer is not None and not optimizer.state
+    optimizer = None if fresh else optimizer
     meta = {
         "format": FORMAT,
         "step": step,
         "extra": dict(extra or {}),
         "world_size": world,
-        "has_optimizer": optimizer is not None,
+        "has_optimizer": optimizer is not None or fresh,
+        "optimizer_fresh": fresh,
         "torch": torch.__version__,
     }
     try:
@@ -156,7 +162,11 @@ def read_sharded_meta(path: Path) -> ShardedCheckpoint:
         raise CheckpointError(f"{path / CONFIG_FILE}: missing")
     cfg = parse_config(path / CONFIG_FILE, (path / CONFIG_FILE).read_bytes())
     return ShardedCheckpoint(
-        cfg, int(meta["step"]), dict(meta.get("extra", {})), int(meta["world_size"])
+        cfg,
+        int(meta["step"]),
+        dict(meta.get("extra", {})),
+        int(meta["world_size"]),
+        bool(meta.get("optimizer_fresh", False)),
     )
 
 
@@ -186,6 +196,8 @@ def load_sharded(
         raise CheckpointError(
             f"{path / CONFIG_FILE}: config {ck.config} != the model's {model.cfg}"
         )
+    if ck.optimizer_fresh:  # nothing to restore: the optimizer stays as built (save_sharded)
+        optimizer = None
     state = _state(model, optimizer)
     try:
         with _single_process_quiet():

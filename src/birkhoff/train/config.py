@@ -35,6 +35,9 @@ class TrainConfig:
     seed: int = 0
     amp_dtype: AmpDtype = "none"
     log_every: int = 10
+    # `birkhoff train` writes a checkpoint every this many steps (0: only at the end and when
+    # stopped); `birkhoff run`'s warm-up uses rl.checkpoint_every
+    checkpoint_every: int = 100
     recompute: RecomputeMode = "none"  # "full": every block and MTP depth (apply_recompute)
     reclaim: ReclaimMode = "safe"  # what a recomputed unit does with its inputs' storage
     compile: bool = False  # torch.compile blocks, MTP depths, heads (train/recompute.py)
@@ -42,6 +45,9 @@ class TrainConfig:
     max_skipped_in_row: int = 5  # this many non-finite steps in a row stop the run
     # fused Triton ops for the mHC modules ("auto": on CUDA) and, in the RL loop, the engine's
     kernels: Kernels = "auto"
+    # mHC mixes folded into the projections around each sublayer where the fused ops run
+    # (model/fold.py; numerics differ from the unfused path by a bf16 rounding, hence opt-in)
+    fold_gemms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -60,10 +66,13 @@ class TrainConfig:
         for name in ("num_steps", "batch_size", "log_every", "max_skipped_in_row"):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, value, "must be an int >= 1")
+        ce = self.checkpoint_every
+        check(isinstance(ce, int) and ce >= 0, "checkpoint_every", ce, "must be an int >= 0")
         check(isinstance(self.seed, int), "seed", self.seed, "must be an int")
         check(self.amp_dtype in ("none", "bf16"), "amp_dtype", self.amp_dtype, "none | bf16")
         check(self.recompute in ("none", "full"), "recompute", self.recompute, "none | full")
         check(isinstance(self.compile, bool), "compile", self.compile, "must be a bool")
+        check(isinstance(self.fold_gemms, bool), "fold_gemms", self.fold_gemms, "must be a bool")
         check(
             not (self.compile and self.recompute == "full"),
             "compile",

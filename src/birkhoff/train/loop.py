@@ -1,13 +1,16 @@
 """The supervised loop, shared by `birkhoff train` and the warm-up of `birkhoff run`.
 
 `supervised_steps` is the one supervised loop, a generator (the batch of (seed, step), one
-`train_step`, one metrics row), so each caller decides what happens between steps. The run is a
-function of (ModelConfig, TrainConfig, Task) and the seed; presets are the command line's
-business. Evaluation here is teacher-forced (`teacher_forced_accuracy`: greedy decoding's exact
-match in one forward). The final checkpoint goes to `out_dir/checkpoint` (sharded under
-torchrun); `TrainConfig.cuda_graph` replays each step from a CUDA graph (train/graph.py).
+`train_step`, one metrics row), so each caller decides what happens between steps.
+`SupervisedRun` is `birkhoff train`: a function of (ModelConfig, TrainConfig, Task) and the seed
+(presets are the command line's business) that logs, checkpoints every `checkpoint_every` steps
+into `out_dir/checkpoint` (sharded under torchrun), stops at a step boundary on a signal
+(runtime.stop) and resumes from its checkpoint with the metrics of an uninterrupted run, as
+`birkhoff run` does (runtime.resume). Evaluation here is teacher-forced
+(`teacher_forced_accuracy`: greedy decoding's exact match in one forward); the summary's loss
+windows and the first evaluation travel in the checkpoint (`LossWindows`).
+`TrainConfig.cuda_graph` replays each step from a CUDA graph (train/graph.py).
 Design choices in detail: docs/training.md.
-Left out: mid-run checkpoints and resume of `birkhoff train` (the GRPO run has both).
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ import torch
 from torch import nn
 
 from birkhoff.config import ModelConfig
-from birkhoff.runtime.checkpoint import save_checkpoint
-from birkhoff.runtime.dcp import save_sharded
+from birkhoff.runtime.checkpoint import CheckpointError
 from birkhoff.runtime.distributed import (
     check_world_size,
     current,
@@ -34,6 +36,8 @@ from birkhoff.runtime.distributed import (
 )
 from birkhoff.runtime.metrics import MetricsLog, memory_metrics, reset_peak_memory
 from birkhoff.runtime.progress import Progress
+from birkhoff.runtime.resume import load_run_checkpoint, save_run_checkpoint, stop_reason
+from birkhoff.runtime.stop import StopFlag
 from birkhoff.tasks.batches import batch_for_step, build_supervised_batch
 from birkhoff.tasks.problems import Problem, Task, held_out_rng, sample_problems
 from birkhoff.tokenizer import CharTokenizer, Tokenizer
@@ -55,8 +59,12 @@ if TYPE_CHECKING:
 NUM_EVAL_PROBLEMS = 256
 
 
+CHECKPOINT_DIR = "checkpoint"
+JOB = "train"  # the checkpoint's `job`: `birkhoff run` does not resume it, nor the reverse
+
+
 class TrainSummary(NamedTuple):
-    history: list[dict[str, Any]]  # every step's metrics row
+    losses: dict[str, tuple[float, float]]  # key -> (mean of the first, of the last window)
     eval_before: float  # held-out teacher-forced exact match before training
     eval_after: float
     checkpoint: Path
@@ -101,6 +109,164 @@ def teacher_forced_accuracy(
     return float(answer_accuracy(out.argmax, batch.input_ids, batch.loss_mask)[1])
 
 
+class LossWindows:
+    """The first and the last `size` values of each loss (a fifth of the run, at most 20), for
+    the summary's first-vs-last figures; `state` goes into the checkpoint, so a resumed run
+    prints what the uninterrupted one would."""
+
+    KEYS = ("main_loss", "mtp_loss")
+
+    def __init__(self, num_steps: int) -> None:
+        self.size = max(1, min(20, num_steps // 5))
+        self.first: dict[str, list[float]] = {}
+        self.last: dict[str, list[float]] = {}
+
+    def add(self, row: dict[str, Any]) -> None:
+        for key in self.KEYS:
+            if key in row:
+                first = self.first.setdefault(key, [])
+                if len(first) < self.size:
+                    first.append(row[key])
+                self.last[key] = [*self.last.get(key, []), row[key]][-self.size :]
+
+    def means(self) -> dict[str, tuple[float, float]]:
+        return {k: (mean(v), mean(self.last[k])) for k, v in self.first.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.first = {k: list(v) for k, v in state.get("first", {}).items()}
+        self.last = {k: list(v)[-self.size :] for k, v in state.get("last", {}).items()}
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+class SupervisedRun:
+    """State of one `birkhoff train` run: model, optimizer, step, metrics log, counters.
+
+    Build it (a fresh model from `cfg.seed`), `resume()` to continue the run in `out_dir`, then
+    `run()`. `extra` goes into every checkpoint's metadata (the command line records the preset
+    and its resolved settings there).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: TrainConfig,
+        task: Task,
+        out_dir: Path,
+        *,
+        device: torch.device,
+        name: str = "train",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.dist, self.cfg, self.task, self.name = current(), cfg, task, name
+        check_world_size(self.dist.world_size, cfg.batch_size, "batch_size")
+        self.out, self.extra, self.tokenizer = Path(out_dir), dict(extra or {}), CharTokenizer()
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(model_cfg, cfg, device=device)
+        if self.dist.enabled:
+            shard_model(self.model, device_type=device.type, amp_dtype=cfg.amp_dtype)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.held_out = sample_problems(task, held_out_rng(cfg.seed), NUM_EVAL_PROBLEMS)
+        self.eval_before = teacher_forced_accuracy(self.model, self.held_out, self.tokenizer)
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.skips, self.windows = SkipCounter(cfg.max_skipped_in_row), LossWindows(cfg.num_steps)
+        self.step = 0  # steps completed
+        self.checkpoint_step: int | None = None  # the step the run's checkpoint holds
+        self.stopped_by: str | None = None  # why the last `run` ended early (runtime.stop)
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.out / CHECKPOINT_DIR
+
+    def save(self, **final: Any) -> Path:
+        extra = {**self.extra, "job": JOB, "seed": self.cfg.seed, "eval_before": self.eval_before}
+        extra.update(losses=self.windows.state(), **self.skips.state(), **final)
+        path = save_run_checkpoint(
+            self.checkpoint,
+            self.model,
+            self.optimizer,
+            step=self.step,
+            extra=extra,
+            sharded=self.dist.enabled,
+        )
+        self.checkpoint_step = self.step
+        return path
+
+    def resume(self) -> None:
+        """Restore model, optimizer, RNG, step and counters from the run's checkpoint; drop the
+        metrics rows after it (the resumed run writes them again)."""
+        step, extra = load_run_checkpoint(
+            self.checkpoint, self.model, self.optimizer, sharded=self.dist.enabled
+        )
+        if extra.get("job") != JOB:
+            raise CheckpointError(
+                f"{self.checkpoint} holds a `birkhoff {extra.get('job', 'run')}` run; "
+                "`birkhoff train` resumes only its own"
+            )
+        self.step = self.checkpoint_step = step
+        self.eval_before = float(extra["eval_before"])
+        self.skips.restore(extra)
+        self.windows.restore(extra.get("losses", {}))
+        if self.dist.is_main:
+            self.log.truncate_after(step)
+
+    def run(
+        self, *, stop: StopFlag | None = None, stop_after: int | None = None, progress: bool = True
+    ) -> TrainSummary | None:
+        """Train (or go on) to `cfg.num_steps`, then evaluate and write the final checkpoint.
+
+        Ends early, with a checkpoint of the steps done and None returned, after step
+        `stop_after` or at the first step boundary after `stop` was raised; `stopped_by` then
+        says which.
+        """
+        cfg, self.stopped_by = self.cfg, None
+        steps = range(self.step, cfg.num_steps)
+        rows = supervised_steps(
+            self.model, self.optimizer, self.task, self.tokenizer, cfg, steps=steps
+        )
+        enabled = progress and self.dist.is_main
+        bar = Progress(
+            total=cfg.num_steps, initial=self.step, desc=f"train {self.name}", enabled=enabled
+        )
+        with bar:
+            while self.step < cfg.num_steps:
+                self.stopped_by = stop_reason(
+                    stop,
+                    stop_after,
+                    step=self.step,
+                    distributed=self.dist.enabled,
+                    device=model_device(self.model),
+                )
+                if self.stopped_by is not None:
+                    if self.checkpoint_step != self.step:
+                        self.save()
+                    return None
+                self.finish_step(next(rows), bar)
+        eval_after = teacher_forced_accuracy(self.model, self.held_out, self.tokenizer)
+        path = self.save(eval_exact_match=eval_after)
+        return TrainSummary(self.windows.means(), self.eval_before, eval_after, path)
+
+    def finish_step(self, row: dict[str, Any], bar: Progress) -> None:
+        """After a step: count, log when due, checkpoint when due."""
+        cfg, step = self.cfg, row["step"]
+        self.step += 1
+        self.skips.count(row)
+        self.windows.add(row)
+        due = step % cfg.log_every == 0 or self.step == cfg.num_steps or row["skipped"]
+        if self.dist.is_main and due:
+            self.log.append(row)
+        bar.update({k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc") if k in row})
+        self.skips.check(step, checkpoint=self.checkpoint, checkpoint_step=self.checkpoint_step)
+        every = cfg.checkpoint_every
+        if every > 0 and self.step % every == 0 and self.step < cfg.num_steps:
+            self.save()
+
+
 def run_training(
     model_cfg: ModelConfig,
     cfg: TrainConfig,
@@ -113,58 +279,24 @@ def run_training(
     extra: dict[str, Any] | None = None,
     trackers: Sequence[Tracker] = (),
 ) -> TrainSummary:
-    """Train a fresh `model_cfg` model on `task`; write metrics.jsonl and checkpoint/ under
-    `out_dir`. `name` labels the progress bar; `extra` goes into the checkpoint's metadata."""
-    ctx = current()
-    check_world_size(ctx.world_size, cfg.batch_size, "batch_size")
-    tokenizer = CharTokenizer()
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, cfg, device=device)
-    if ctx.enabled:
-        shard_model(model, device_type=device.type, amp_dtype=cfg.amp_dtype)
-    optimizer = build_optimizer(model, cfg)
-    held_out = sample_problems(task, held_out_rng(cfg.seed), NUM_EVAL_PROBLEMS)
-    eval_before = teacher_forced_accuracy(model, held_out, tokenizer)
-    if ctx.is_main:
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    log, history = MetricsLog(out_dir / "metrics.jsonl", trackers=trackers), []
-    rows = supervised_steps(model, optimizer, task, tokenizer, cfg, steps=range(cfg.num_steps))
-    enabled, skips = progress and ctx.is_main, SkipCounter(cfg.max_skipped_in_row)
-    bar = Progress(total=cfg.num_steps, desc=f"train {name}", enabled=enabled)
-    with bar, closing(log):  # the trackers too
-        for row in rows:
-            history.append(row)
-            step = row["step"]
-            skips.count(row)
-            due = step % cfg.log_every == 0 or step == cfg.num_steps - 1 or row["skipped"]
-            if ctx.is_main and due:
-                log.append(row)
-            bar.update(
-                {k: f"{row[k]:.3f}" for k in ("main_loss", "mtp_loss", "seq_acc") if k in row}
-            )
-            skips.check(step, checkpoint=out_dir / "checkpoint", checkpoint_step=None)
-    eval_after = teacher_forced_accuracy(model, held_out, tokenizer)
-    meta = {**(extra or {}), "seed": cfg.seed, "eval_exact_match": eval_after}
-    save = save_sharded if ctx.enabled else save_checkpoint
-    path = save(out_dir / "checkpoint", model, optimizer, step=cfg.num_steps, extra=meta)
-    return TrainSummary(history, eval_before, eval_after, path)
-
-
-def window_mean(history: list[dict[str, Any]], key: str, *, last: bool) -> float:
-    """Mean of `key` over the first (or last) fifth of the run, at most 20 steps."""
-    values = [h[key] for h in history if key in h]
-    k = max(1, min(20, len(values) // 5))
-    window = values[-k:] if last else values[:k]
-    return sum(window) / max(len(window), 1)
+    """Train a fresh `model_cfg` model on `task` to the end; metrics.jsonl and checkpoint/ under
+    `out_dir` (a previous metrics.jsonl there is replaced)."""
+    run = SupervisedRun(model_cfg, cfg, task, out_dir, device=device, name=name, extra=extra)
+    if run.dist.is_main:
+        run.log.path.unlink(missing_ok=True)
+    run.log.trackers = list(trackers)
+    with closing(run.log):  # the trackers too
+        summary = run.run(progress=progress)
+    assert summary is not None  # no stop was asked for
+    return summary
 
 
 def summary_lines(summary: TrainSummary) -> list[str]:
     """Human-readable first-vs-last figures printed at the end of `birkhoff train`."""
     lines = []
     for label, key in (("main loss", "main_loss"), ("mtp loss", "mtp_loss")):
-        if any(key in h for h in summary.history):
-            first = window_mean(summary.history, key, last=False)
-            last = window_mean(summary.history, key, last=True)
+        if key in summary.losses:
+            first, last = summary.losses[key]
             lines.append(f"{label:<10} first {first:.4f} -> last {last:.4f}")
     lines.append(
         f"held-out greedy exact match {summary.eval_before:.3f} -> {summary.eval_after:.3f}"

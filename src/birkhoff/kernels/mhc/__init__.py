@@ -1,5 +1,5 @@
-"""Fused mHC ops: coefficients (RMS + projection + Sinkhorn), stream mixes, the engine's entry
-and exit, and their launch parameters.
+"""Fused mHC ops: coefficients (RMS + projection + Sinkhorn), stream mixes, the mixes folded
+into the neighbouring GEMMs, the engine's entry and exit, and their launch parameters.
 
 The training ops mirror the eager functions of `birkhoff.model.hyper` (same arguments, same
 outputs) and carry their autograd; the engine's ops (`hyper_entry`, `post_res`, `mix_out_proj`,
@@ -16,6 +16,8 @@ from birkhoff.kernels.mhc.coefficients import (
 )
 from birkhoff.kernels.mhc.configs import CONFIG
 from birkhoff.kernels.mhc.entry import contract_norm, hyper_entry, mix_out_proj, post_res
+from birkhoff.kernels.mhc.linear_mix_out import linear_mix_out
+from birkhoff.kernels.mhc.mix_norm_linear import mix_norm_linear
 from birkhoff.kernels.mhc.mixes import mix_in, mix_out
 from birkhoff.kernels.mhc.phi import served_phi
 
@@ -27,8 +29,10 @@ __all__ = [
     "contract_norm",
     "contraction_weights",
     "hyper_entry",
+    "linear_mix_out",
     "mhc_coefficients",
     "mix_in",
+    "mix_norm_linear",
     "mix_out",
     "mix_out_proj",
     "post_res",

@@ -249,9 +249,11 @@ def _mix_out_fake(x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignore[no-untyped
 _mix_out_op = FusedOp("mhc_mix_out", _mix_out_impl, _mix_out_fake)
 
 
-def _mix_out_bwd_impl(
+def mix_out_grads(
     g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(g_x, g_F, g_post, g_res) of mix out (contiguous tensors; post and res in fp32); the
+    GEMM-folded mix out (`linear_mix_out`) runs it with F = its saved projection."""
     S, D = x_BTSD.shape[-2:]
     g_x, g_f = torch.empty_like(x_BTSD), torch.empty_like(f_BTD)
     N = post_BTS.numel() // S
@@ -283,7 +285,7 @@ def _mix_out_bwd_fake(g_BTSD, x_BTSD, f_BTD, post_BTS, res_BTSS):  # type: ignor
     return tuple(torch.empty_like(t) for t in (x_BTSD, f_BTD, post_BTS, res_BTSS))
 
 
-_mix_out_bwd_op = FusedOp("mhc_mix_out_bwd", _mix_out_bwd_impl, _mix_out_bwd_fake)
+_mix_out_bwd_op = FusedOp("mhc_mix_out_bwd", mix_out_grads, _mix_out_bwd_fake)
 
 
 def _mix_out_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
