@@ -313,7 +313,7 @@ SECTIONS = [
         "Training step",
         "`benchmarks/train_step.py`",
         "training.md",
-        ("train_step", "train_profile", "activation_memory", "stream_dtype"),
+        ("train_step", "train_profile", "activation_memory", "stream_dtype", "mhc_layer"),
         [
             Figure(
                 "S=4 M=1 step (124M, T 2048, B 8, compiled, CUDA graph, bf16 streams)",
@@ -358,6 +358,19 @@ SECTIONS = [
                 "S=4 M=1 step, eager mHC reference (fp32 streams)",
                 "train_step-cuda-eager.json",
                 num("variants/S4_M1/step_ms", ".1f", unit=" ms"),
+            ),
+            *(
+                Figure(
+                    f"two blocks at dim {dim} (T 2048 x B 8, bf16 streams): S4 / S1 per layer, "
+                    "per step; GEMM-folded S4 / S1 per layer",
+                    f"mhc_layer-cuda-h100-d{dim}-bf16.json",
+                    joined(
+                        num("ratios/mhc_S4_over_S1_layer", ".3f", unit="x"),
+                        num("ratios/mhc_S4_over_S1_step", ".3f", unit="x"),
+                        num("ratios/mhc_S4_over_S1_layer_fold", ".3f", unit="x"),
+                    ),
+                )
+                for dim in (768, 2048, 4096)
             ),
             Figure(
                 "h200-small, 2,000 steps: final main loss, fp32 / bf16 streams",
@@ -499,6 +512,14 @@ SECTIONS = [
                 joined(*(num(f"fp8/fp8_over_bf16/{i}", ".3f", unit="x") for i in range(3))),
             ),
             Figure(
+                "fp8 weights / bf16 at dim 2048, 24 layers, batch 1 / 64",
+                "decode-cuda-h100-fp8-d2048-l24.json",
+                joined(
+                    num("fp8_over_bf16_b1_d2048", ".2f", unit="x"),
+                    num("fp8_over_bf16_b64_d2048", ".2f", unit="x"),
+                ),
+            ),
+            Figure(
                 "plain step at batch 256: device busy us, busy fraction",
                 "decode-profile-cuda-h100-glue.json",
                 joined(
@@ -630,9 +651,17 @@ SECTIONS = [
                 num("ratios/moe_over_dense_S4_M1", ".2f", unit="x"),
             ),
             Figure(
-                "decode tokens/s, MoE, batch 1 / 64",
-                "decode-cuda-moe.json",
-                joined(*(num(f"moe/rows/moe/{i}/tokens_per_s", tok) for i in range(2))),
+                "decode tokens/s, MoE (gather-and-gemv at few rows), batch 1 / 64",
+                "decode-cuda-h100-moe-gather.json",
+                joined(num("moe_b1_tok_s", tok), num("moe_b64_tok_s", tok)),
+            ),
+            Figure(
+                "decode, MoE / dense of equal active parameters, batch 1 / 64",
+                "decode-cuda-h100-moe-gather.json",
+                joined(
+                    num("moe_over_dense_b1", ".2f", unit="x"),
+                    num("moe_over_dense_b64", ".2f", unit="x"),
+                ),
             ),
             Figure(
                 "bf16 refit of the MoE model (3.1B params)",
