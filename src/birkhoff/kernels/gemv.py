@@ -75,16 +75,16 @@ def gemv_kernel(
 MAX_ROWS = 8  # a batch-1 verify chunk (J + 1 rows) or draft depth (J + k rows) up to J = 4
 # 2-MAX_ROWS rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
 FEW_ROWS_WEIGHTS = 1 << 22
-# one row, 2-4 rows of a W with N <= K, 2-4 rows with N > K ("wide": few K tiles a program, so
-# more output features a program and narrower K tiles keep loads in flight), 5 to MAX_ROWS
-# rows ("many": a narrower K tile keeps the [RB, BN, BK] product in registers); block-fp8 codes
+# one row, 2-4 rows of a W with N <= K, 2-4 rows with N > K ("wide": K is short, so narrower K
+# tiles and as many programs as one row's config), 5 to MAX_ROWS rows ("many": a narrower K
+# tile keeps the [RB, BN, BK] product in registers); block-fp8 codes
 # have their own: a byte a weight, so wider K tiles and more rows a program for the same
 # 16-byte loads (one row: 128 codes a thread in flight, 72 registers, no spills at sm_90).
 # "one" and "few" come from sweeps (docs/log/kernels.md); "wide" and "many" are first picks.
 CONFIG = {
     "one": dict(BN=4, BK=1024, num_warps=2),
     "few": dict(BN=2, BK=512, num_warps=2),
-    "wide": dict(BN=8, BK=256, num_warps=4),
+    "wide": dict(BN=4, BK=256, num_warps=2),
     "many": dict(BN=4, BK=256, num_warps=4),
     "one_fp8": dict(BN=8, BK=2048, num_warps=4),
     "few_fp8": dict(BN=2, BK=512, num_warps=2),
