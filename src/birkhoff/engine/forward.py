@@ -26,6 +26,7 @@ from birkhoff.engine.layout import (
     AttentionWeights,
     BlockWeights,
     DenseWeights,
+    DepthWeights,
     HeadWeights,
     HyperWeights,
     MoEWeights,
@@ -333,22 +334,24 @@ def main_forward(
     return x_ATSD, contract_norm(x_ATSD, w.head, cfg, proj, kernels=kernels)
 
 
-def mtp_forward(
+def mtp_weights(w: Weights, depth: int) -> DepthWeights[Tensor]:
+    """Draft depth `depth`'s weights (0-based; beyond M-1 the last depth's)."""
+    return w.mtp[min(depth, len(w.mtp) - 1)]
+
+
+def mtp_input(
     w: Weights,
     cfg: ModelConfig,
     depth: int,
-    cache: KVCache,
     h_prev_ATSD: Tensor,
     tokens_AT: Tensor,
-    chunk: Chunk,
     *,
     kernels: str,
-) -> tuple[Tensor, Tensor]:
-    """Draft depth `depth` (0-based; beyond M-1 reuses the last depth's weights):
-    h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))], one mHC block, own contraction + norm.
-    Returns (h_k [A,T,S,D], lm_head input [A,T,D]); fills cache layer `depth`."""
-    d = w.mtp[min(depth, len(w.mtp) - 1)]
-    x_ATSD = mtp_merge(
+) -> Tensor:
+    """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))] [A,T,S,D] of draft depth `depth`
+    (`model.mtp.mtp_merge`; `kernels.step_inputs.depth_inputs` fuses what precedes W_k)."""
+    d = mtp_weights(w, depth)
+    return mtp_merge(
         h_prev_ATSD,
         F.embedding(tokens_AT, w.embed),
         d.hidden_norm,
@@ -357,6 +360,22 @@ def mtp_forward(
         project=lambda merged: linear(merged, d.proj, kernels=kernels),
         kernels=kernels,
     )
+
+
+def mtp_forward(
+    w: Weights,
+    cfg: ModelConfig,
+    depth: int,
+    cache: KVCache,
+    x_ATSD: Tensor,
+    chunk: Chunk,
+    *,
+    kernels: str,
+) -> tuple[Tensor, Tensor]:
+    """Draft depth `depth` (0-based) on its merged input h'_k (`mtp_input`): one mHC block, its
+    own contraction + norm. Returns (h_k [A,T,S,D], lm_head input [A,T,D]); fills cache layer
+    `depth`."""
+    d = mtp_weights(w, depth)
     x_ATSD, proj = block(
         x_ATSD, d.block, cfg, cache, depth, chunk, None, d.head.contraction, kernels=kernels
     )
