@@ -34,7 +34,7 @@ from birkhoff.engine.layout import Weights
 from birkhoff.engine.linear import linear
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, TAGS
 from birkhoff.engine.rows import RowState
-from birkhoff.engine.sampling import sample_tokens
+from birkhoff.engine.sampling import SiteRows, sample_site, sample_tokens
 from birkhoff.engine.speculative import accept_drafts
 from birkhoff.kernels import use_fused
 
@@ -72,35 +72,12 @@ def sample_at(
     tag: int,
     offset: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A sampling site of rows at pending positions n (draw tag `tag`): ([A, 2] fp64 of (token,
-    its logprob), the tokens [A], the probs [A, V] they were drawn from); each token is written
-    to tokens_BN at n + offset (the trash slot where not live). With fused kernels and no row
-    filtering: one launch (`kernels.sample.sample_next`)."""
-    table, tokens_BN, trash = ctx.rows.sampling.params, ctx.rows.tokens_BN, ctx.cache.trash
-    if fused_sampling(ctx, logits_AV):
-        from birkhoff.kernels.sample import sample_next
-
-        return sample_next(
-            logits_AV,
-            rows_A,
-            n_A.long(),
-            live_A,
-            table.temperature_A,
-            table.greedy_A,
-            ctx.rows.rng.keys_R,
-            tokens_BN,
-            trash,
-            TAGS,
-            tag,
-            offset,
-        )
-    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
-    u_A = ctx.rows.rng.uniform(rows_A, n_A, tag)
-    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A)
-    assert token_A is not None
-    tokens_BN[rows_A, torch.where(live_A, n_A + offset, trash)] = token_A
-    logp_A = logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
-    return torch.stack((token_A.double(), logp_A.double()), dim=1), token_A, probs_AV
+    """`sampling.sample_site` on the step's rows and tables: ([A, 2] fp64 of (token, its
+    logprob), the tokens [A], the probs [A, V] they were drawn from)."""
+    rows = ctx.rows
+    site = SiteRows(rows_A, n_A, live_A, rows.sampling, rows.rng, rows.tokens_BN, ctx.cache.trash)
+    fused = fused_sampling(ctx, logits_AV)
+    return sample_site(logits_AV, site, tag, offset, fused=fused, filtered=ctx.filtered)
 
 
 def step_chunk(
