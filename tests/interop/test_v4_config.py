@@ -36,8 +36,9 @@ FLASH: dict[str, Any] = {
 TINY = dict(
     vocab_size=61, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
     q_lora_rank=12, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8, index_n_heads=2,
-    index_head_dim=12, index_topk=3, moe_intermediate_size=24, n_routed_experts=4, max_position_embeddings=1024,
+    index_head_dim=12, index_topk=3, moe_intermediate_size=24, n_routed_experts=4,
     num_experts_per_tok=2, sliding_window=6, num_nextn_predict_layers=2,
+    max_position_embeddings=1024,
     layer_types=["sliding_attention", "compressed_sparse_attention",
                  "heavily_compressed_attention"],
     mlp_layer_types=["hash_moe", "moe", "moe"],
