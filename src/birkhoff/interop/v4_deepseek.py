@@ -8,8 +8,9 @@ name, so it is exactly invertible; the experts' per-expert w1 / w3 / w2 become t
 `experts.gate_up_proj` ([E, 2F, D], w1 rows then w3 rows per expert) and `experts.down_proj`.
 MTP depth k keeps its own tensors (`mtp.{k}.e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`,
 `hc_head_{fn,base,scale}`) in both layouts and its decoder-layer tensors renamed as a layer's.
-`V4Source` shows any checkpoint (transformers', DeepSeek's, or a mix such as transformers'
-main model with DeepSeek's `mtp.*`) under transformers' names; `deepseek_tensors` writes back.
+`V4Source` shows any checkpoint (transformers', DeepSeek's, transformers 5's save_pretrained
+spelling, which is DeepSeek's under `model.`, or a mix) under transformers' names;
+`deepseek_tensors` writes DeepSeek's.
 Left out: fp4 experts, scale layouts other than one per 128x128 block.
 """
 
@@ -79,7 +80,9 @@ MTP_OWN = (
     "hc_head_base",
     "hc_head_scale",
 )
-EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+EXPERT = re.compile(
+    r"^(?:model\.)?(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$"
+)
 STACKS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # transformers stack <- DeepSeek
 
 
@@ -98,6 +101,8 @@ def transformers_name(name: str) -> str | None:
     if name.endswith(".scale"):
         weight = transformers_name(name.removesuffix(".scale") + ".weight")
         return None if weight is None else weight + SCALE_SUFFIX
+    if name.startswith("model."):
+        return transformers_name(name.removeprefix("model."))  # save_pretrained's spelling
     if name in TOP:
         return TOP[name]
     prefix, model, leaf = split_prefix(name)
