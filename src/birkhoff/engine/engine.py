@@ -25,7 +25,13 @@ from birkhoff.config import KERNELS, Kernels, ModelConfig, check
 from birkhoff.engine.decode import Completion, Generation
 from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.engine.graphs import GraphPool, GraphSteps, Steps
-from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
+from birkhoff.engine.kv_cache import (
+    DrafterState,
+    KVCache,
+    LayerCompression,
+    StreamBuffer,
+    compression_states,
+)
 from birkhoff.engine.layout import (
     Quantize,
     TensorSpec,
@@ -40,6 +46,7 @@ from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
 from birkhoff.engine.stop import Detokenize
+from birkhoff.engine.v4_forward import v4_rope_tables
 from birkhoff.kernels import use_fused
 from birkhoff.kernels.mhc import served_phi
 from birkhoff.model.layers import rope_tables
@@ -78,6 +85,13 @@ class Engine:
         check(
             0 <= spec <= MAX_DRAFTS, "max_speculative_tokens", spec, f"must be in [0, {MAX_DRAFTS}]"
         )
+        check(
+            cfg.attention is None
+            or not use_fused(torch.empty(0, device=device, dtype=dtype), kernels),
+            "kernels",
+            kernels,
+            "V4 attention runs the eager ops: kernels='eager' (or 'auto' off CUDA)",
+        )
         graphs = torch.device(device).type == "cuda" if cuda_graphs is None else cuda_graphs
         check(
             not graphs or torch.device(device).type == "cuda",
@@ -106,7 +120,11 @@ class Engine:
         # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
         self.capacity = seq + spec + 1
         positions = torch.arange(self.capacity, device=self.device)
-        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
+        self.rope = (
+            rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
+            if cfg.attention is None
+            else v4_rope_tables(positions, cfg)
+        )
         self._cache: KVCache | None = None
         self._drafter: DrafterState | None = None
         self._rows: RowState | None = None
@@ -218,16 +236,26 @@ class Engine:
         return [replace(c, weight_version=version) for c in completions]
 
     def main_cache(self) -> KVCache:
+        """The main model's cache; V4: one shared kv head per layer and the compressed layers'
+        states (engine/v4_forward.py)."""
         if self._cache is None:
-            cfg = self.cfg
+            cfg, B, v4 = self.cfg, self.max_batch_size, self.cfg.attention is not None
+            compressed: tuple[LayerCompression | None, ...] = ()
+            if v4:
+                spec, dtype = self.max_speculative_tokens, self.dtype
+                compressed = compression_states(
+                    cfg, B, self.capacity, spec, dtype=dtype, device=self.device
+                )
             self._cache = KVCache(
                 cfg.num_layers,
-                self.max_batch_size,
+                B,
                 cfg.kv_heads,
                 self.capacity,
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                shared=v4,
+                compressed=compressed,
             )
         return self._cache
 
@@ -249,6 +277,7 @@ class Engine:
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                shared=cfg.attention is not None,  # V4's MTP depths are sliding layers
             )
             streams = StreamBuffer(
                 n,
