@@ -124,7 +124,7 @@ def test_greedy_tokens_equal_the_trainer(kinds: tuple[str, ...], moe: bool) -> N
 
 def test_fp32_logprobs_equal_the_trainer_within_tolerance() -> None:
     """fp32 engine and trainer: every completion token's logprob within 1e-5 of the trainer's
-    teacher-forced full forward over prompt + completion (measured: about 1e-6)."""
+    teacher-forced full forward over prompt + completion (measured: 3.3e-6)."""
     model = v4_model(v4_config(), dtype=torch.float32)
     engine = Engine.from_model(model, dtype=torch.float32, max_batch_size=4)
     for prompt, completion in zip(PROMPTS, engine.generate(PROMPTS, SamplingParams(NEW)),

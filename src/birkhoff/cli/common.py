@@ -187,7 +187,9 @@ class HelpFormatter(argparse.HelpFormatter):
         setting = re.match(r"(model|train|rl)\.\w+", text)
         if default is None and setting:  # a dedicated flag for a setting
             text += f" (default: the preset's; tiny-cpu: {default_setting(setting[0])})"
-        elif action.option_strings and default not in (None, False, [], argparse.SUPPRESS):
+        elif action.option_strings and not (
+            default is None or default is False or default == [] or default is argparse.SUPPRESS
+        ):  # identity: a default of 0 is shown (0 == False)
             text += " (default: %(default)s)"
         return text
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.runtime.stop import StopFlag
     from birkhoff.train.loop import SupervisedRun
 
-TRAIN_OUTPUTS = ("metrics.jsonl", "checkpoint")
+TRAIN_OUTPUTS = ("metrics.jsonl", "checkpoint", "tensorboard", "wandb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
