@@ -17,9 +17,9 @@ from birkhoff.model.moe import experts_loop, router_scores, select_experts, swig
 
 # rows, D, E, F, shared F, top_k: one row and several (rows sharing experts: top_k of few
 # experts), no shared experts, top_k 1; the last: 8 rows shrink the reduction tiles to 128, so
-# D and F span two tiles each (the second partial)
+# D and F span two tiles each (the second partial: 8 and 4 wide)
 MOE_CASES = [(1, 40, 6, 16, 32, 2), (3, 130, 5, 24, 0, 3), (8, 64, 4, 8, 8, 1),
-             (8, 200, 3, 136, 4, 1)]  # fmt: skip
+             (8, 136, 2, 132, 4, 1)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -122,17 +122,19 @@ def check_moe_rejects(device: str) -> None:
         moe_route(x, torch.randn(3, 8, device=device), torch.zeros(3, device=device), 4, 1.0)
 
 
-def check_moe_engine_tokens(device: str, *, num_new: int = 6) -> None:
+def check_moe_engine_tokens(device: str, *, num_new: int = 6, num_layers: int = 2) -> None:
     """An MoE engine with fused kernels gives the eager engine's greedy tokens (decode steps of
     3 rows and of 1 row) and its decode steps take the gather-and-gemv ops (speculative steps'
-    tokens equal plain ones on either path: tests/engine/test_moe_engine.py)."""
+    tokens equal plain ones on either path: tests/engine/test_moe_engine.py). The first of
+    `num_layers` layers is dense, unless it is the only one."""
     from mhc_model_cases import build_model, tiny_config
 
     from birkhoff.config import MoEConfig
     from birkhoff.engine import Engine, SamplingParams
     from birkhoff.kernels import moe_gemv
 
-    moe = MoEConfig(num_experts=6, experts_per_token=2, expert_hidden=8, num_dense_layers=1)
+    dense = min(1, num_layers - 1)
+    moe = MoEConfig(num_experts=6, experts_per_token=2, expert_hidden=8, num_dense_layers=dense)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     calls, launch = [0], moe_gemv.moe_experts
 
@@ -144,7 +146,7 @@ def check_moe_engine_tokens(device: str, *, num_new: int = 6) -> None:
     moe_gemv.moe_experts = counted  # type: ignore[assignment]
     try:
         for kernels in ("triton", "eager"):
-            model = build_model(tiny_config(moe=moe), device, kernels)
+            model = build_model(tiny_config(moe=moe, num_layers=num_layers), device, kernels)
             engine = Engine.from_model(model, device=device, dtype=torch.float32, kernels=kernels)
             plain = engine.generate(prompts, SamplingParams(num_new))
             single = engine.generate(prompts[1:2], SamplingParams(num_new))
