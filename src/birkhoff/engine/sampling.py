@@ -1,6 +1,9 @@
-"""Sampling parameters and the per-row sampling distribution.
+"""Sampling in one place: parameters, the per-row distribution, the inverse-CDF draw, and a
+step's sampling site (`sample_site`: the fused `kernels.sample.sample_next`, or these eager
+functions, which are its reference).
 
-Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab.
+Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab,
+B cache rows, N cache positions.
 
 `target_logprobs` gives the distribution a token is sampled from: for temperature > 0, logits /
 temperature, then top-k, then top-p, then softmax over what is kept (a sampled token's logprob
@@ -163,17 +166,17 @@ def sample_logits(logits_AV: Tensor, rs: RowSampling) -> tuple[Tensor, Tensor]:
     return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
 
 
-def sample_inverse_cdf(probs_NV: Tensor, u_N: Tensor) -> Tensor:
+def sample_inverse_cdf(probs_AV: Tensor, u_A: Tensor) -> Tensor:
     """The first index whose cumulative mass exceeds u * total: exact sampling from probs.
 
     u * total can round up to total; the clamp to the first index reaching the total (the last
     token with mass) keeps zero-mass tokens out in that case too.
     """
-    cdf_NV = probs_NV.double().cumsum(dim=-1)
-    total_N1 = cdf_NV[:, -1:].contiguous()
-    index_N1 = torch.searchsorted(cdf_NV, u_N[:, None] * total_N1, right=True)
-    last_N1 = torch.searchsorted(cdf_NV, total_N1, right=False)
-    return torch.minimum(index_N1, last_N1).squeeze(-1)
+    cdf_AV = probs_AV.double().cumsum(dim=-1)
+    total_A1 = cdf_AV[:, -1:].contiguous()
+    index_A1 = torch.searchsorted(cdf_AV, u_A[:, None] * total_A1, right=True)
+    last_A1 = torch.searchsorted(cdf_AV, total_A1, right=False)
+    return torch.minimum(index_A1, last_A1).squeeze(-1)
 
 
 def sample_tokens(
