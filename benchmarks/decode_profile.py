@@ -12,6 +12,7 @@ us / wall.
 
   python benchmarks/decode_profile.py --batches 1,256            # both trunks
   python benchmarks/decode_profile.py --models S4-M1 --batches 1 --top 40
+  python benchmarks/decode_profile.py --models S4-M1,S4-MoE --batches 1,64   # MoE vs dense
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import covered_us, json_args, write_result
+from common import covered_us, json_args, same_active_moe, write_result
 from decode import RESULTS, engine_for, task_batch, trunk
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from birkhoff.engine import Engine, SamplingParams
 
-MODELS = {"S4-M1": (4, 1), "S1-M0": (1, 0)}
+MODELS = {"S4-M1": (4, 1), "S1-M0": (1, 0), "S4-MoE": (4, 1)}  # S4-MoE: moe section of decode.py
 
 
 def kernels_of(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -111,13 +112,14 @@ def print_tables(results: dict[str, list[dict[str, Any]]], top: int) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
+    p.add_argument("--models", default="S4-M1,S1-M0", help=f"comma list of {list(MODELS)}")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--k", type=int, default=0, help="speculative tokens (0: plain steps)")
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--experts", type=int, default=32, help="routed experts of S4-MoE")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -136,7 +138,10 @@ def main(argv: list[str]) -> int:
             print(f"{name}: no MTP depth to draft with, skipped at --k {args.k}")
             continue
         extra = {"max_speculative_tokens": args.k} if args.k else {}
-        engine = engine_for(trunk(args, streams, mtp), args, device, max(batches), **extra)
+        cfg = trunk(args, streams, mtp)
+        if name == "S4-MoE":  # not in the default list: --models S4-MoE
+            cfg = same_active_moe(cfg, args.experts)
+        engine = engine_for(cfg, args, device, max(batches), **extra)
         results[name] = [step_profile(engine, b, args) for b in batches]
         del engine
         torch.cuda.empty_cache()

@@ -9,7 +9,8 @@ step's layers do) called in turn inside one CUDA graph, replayed (`common.graph_
 the weight bytes over that time (GB/s), the error against the fp32 product, and which of the
 two the engine's `linear` picks (`gemv.serves`).
 
-  python benchmarks/gemv.py                 # rows 1-4 (gemv serves up to 4 rows where N <= K)
+  python benchmarks/gemv.py                 # rows 1-4
+  python benchmarks/gemv.py --rows 1,2,3,4,5,8   # a batch-1 verify (J+1) and draft (J+k) chunk
 """
 
 from __future__ import annotations

@@ -258,8 +258,26 @@ SECTIONS = [
                 "run-h200-grpo-cuda.jsonl",
                 grpo_median("mem_peak_mib", ".1f", scale=1 / 1024, unit=" GiB"),
             ),
+            Figure(
+                "tiny-cpu-v4 (DeepSeek-V4 attention + MoE, eager): generate / train / refit s "
+                "per GRPO step, draft-1 acceptance",
+                "run-tiny-cpu-v4-cuda.jsonl",
+                joined(
+                    grpo_median("generate_s", ".3f"),
+                    grpo_median("train_s", ".3f"),
+                    grpo_median("refit_s", ".4f"),
+                    grpo_median("accept_1", ".2f"),
+                ),
+            ),
         ],
         runs=[
+            Run(
+                "run-tiny-cpu-v4-cuda.jsonl",
+                "birkhoff run --preset tiny-cpu-v4 --device cuda --steps 6 "
+                "--set train.kernels=eager --out /tmp/v4",
+                "NVIDIA H100 80GB HBM3",
+                "e971e6a",
+            ),
             Run("run-tiny-cpu.jsonl", MAIN_RUN, "cpu (2 cores)", "d17deb7"),
             Run(
                 "run-smollm2-grpo-cuda.jsonl",
@@ -313,7 +331,7 @@ SECTIONS = [
         "Training step",
         "`benchmarks/train_step.py`",
         "training.md",
-        ("train_step", "train_profile", "activation_memory", "stream_dtype"),
+        ("train_step", "train_profile", "activation_memory", "stream_dtype", "mhc_layer"),
         [
             Figure(
                 "S=4 M=1 step (124M, T 2048, B 8, compiled, CUDA graph, bf16 streams)",
@@ -358,6 +376,20 @@ SECTIONS = [
                 "S=4 M=1 step, eager mHC reference (fp32 streams)",
                 "train_step-cuda-eager.json",
                 num("variants/S4_M1/step_ms", ".1f", unit=" ms"),
+            ),
+            *(
+                Figure(
+                    f"two blocks at dim {dim} (T 2048 x B 8, bf16 streams): S4 / S1 per layer, "
+                    "per step; folded mixes (fold_gemms) S4 / S1 per layer, per step",
+                    f"mhc_layer-cuda-h100-d{dim}-bf16-fold-rows.json",
+                    joined(
+                        num("ratios/mhc_S4_over_S1_layer", ".3f", unit="x"),
+                        num("ratios/mhc_S4_over_S1_step", ".3f", unit="x"),
+                        num("ratios/mhc_S4_over_S1_layer_fold", ".3f", unit="x"),
+                        num("ratios/mhc_S4_over_S1_step_fold", ".3f", unit="x"),
+                    ),
+                )
+                for dim in (768, 2048, 4096)
             ),
             Figure(
                 "h200-small, 2,000 steps: final main loss, fp32 / bf16 streams",
@@ -441,7 +473,7 @@ SECTIONS = [
         "Decode and speculative decoding",
         "`benchmarks/decode.py`, `benchmarks/decode_profile.py`",
         "decode.md",
-        ("decode", "gemv", "fp8-matmul", "matmul", "mhc-exit", "mhc_decode"),
+        ("decode", "gemv", "fp8-matmul", "matmul", "mhc-exit", "mhc_decode", "decode_real"),
         [
             Figure(
                 "S=4 M=1 tokens/s, batch 1 / 64 / 256",
@@ -459,15 +491,42 @@ SECTIONS = [
                 joined(*(num(f"shapes/S1-M0/batch={b}/tokens_per_s", tok) for b in (1, 64, 256))),
             ),
             Figure(
-                "MTP speculative (k=2) tokens/s, batch 1",
-                "decode-cuda-spec-768.json",
-                num("spec/1/tokens_per_s", tok),
+                "spec model (dim 256, 4 layers): speculative k=2 / plain, batch 1 / 32",
+                "decode-cuda-h100-spec-depth-inputs.json",
+                joined(
+                    num("spec_b1_k2_speedup", ".2f", unit="x"),
+                    num("spec_b32_k2_speedup", ".2f", unit="x"),
+                ),
             ),
             Figure(
-                "speculative / plain, batch 1 / 32",
+                "speculative k=2 / plain at acceptance 1.0 (the dim-768 trunk), batch 1 / 32",
                 "decode-cuda-spec-768.json",
                 joined(
                     num("spec/1/speedup", ".2f", unit="x"), num("spec/3/speedup", ".2f", unit="x")
+                ),
+            ),
+            Figure(
+                "spec model: k=2 acceptance of drafts 1 / 2, batch 1",
+                "decode-cuda-h100-spec-depth-inputs.json",
+                joined(num("spec/2/acceptance/0", ".2f"), num("spec/2/acceptance/1", ".2f")),
+            ),
+            Figure(
+                "SmolLM2-135M decode tokens/s, dense, batch 1 / 64",
+                "decode_real-cuda-h100.json",
+                joined(num("smollm2_dense_b1_tok_s", tok), num("smollm2_dense_b64_tok_s", tok)),
+            ),
+            Figure(
+                "SmolLM2-135M upcycled S=4 M=1 decode tokens/s, batch 1 / 64",
+                "decode_real-cuda-h100.json",
+                joined(num("smollm2_s4_b1_tok_s", tok), num("smollm2_s4_b64_tok_s", tok)),
+            ),
+            Figure(
+                "SmolLM2 S=4: speculative k=2 / plain, batch 1 / 32 (draft-1 acceptance)",
+                "decode_real-cuda-h100.json",
+                joined(
+                    num("smollm2_spec_b1_k2_speedup", ".2f", unit="x"),
+                    num("smollm2_spec_b32_k2_speedup", ".2f", unit="x"),
+                    num("smollm2_spec_b1_k2_acceptance/0", ".3f"),
                 ),
             ),
             Figure(
@@ -499,6 +558,14 @@ SECTIONS = [
                 joined(*(num(f"fp8/fp8_over_bf16/{i}", ".3f", unit="x") for i in range(3))),
             ),
             Figure(
+                "fp8 weights / bf16 at dim 2048, 24 layers, batch 1 / 64",
+                "decode-cuda-h100-fp8-d2048-l24.json",
+                joined(
+                    num("fp8_over_bf16_b1_d2048", ".2f", unit="x"),
+                    num("fp8_over_bf16_b64_d2048", ".2f", unit="x"),
+                ),
+            ),
+            Figure(
                 "plain step at batch 256: device busy us, busy fraction",
                 "decode-profile-cuda-h100-glue.json",
                 joined(
@@ -508,7 +575,15 @@ SECTIONS = [
                 ),
             ),
             Figure(
-                "k=2 speculative step, batch 1 / 32: wall us",
+                "k=2 speculative step, batch 1 / 32: wall us, launches",
+                "decode-profile-cuda-h100-k2-depth-inputs.json",
+                joined(
+                    *(num(f"results/S4-M1/batch={b}/wall_us", ",.0f", unit=" us") for b in (1, 32)),
+                    num("results/S4-M1/batch=1/launches", ",.0f"),
+                ),
+            ),
+            Figure(
+                "k=2 speculative step before the depth inputs op, batch 1 / 32: wall us",
                 "decode-profile-cuda-h100-k2-glue.json",
                 joined(
                     *(num(f"results/S4-M1/batch={b}/wall_us", ",.0f", unit=" us") for b in (1, 32))
@@ -630,9 +705,17 @@ SECTIONS = [
                 num("ratios/moe_over_dense_S4_M1", ".2f", unit="x"),
             ),
             Figure(
-                "decode tokens/s, MoE, batch 1 / 64",
-                "decode-cuda-moe.json",
-                joined(*(num(f"moe/rows/moe/{i}/tokens_per_s", tok) for i in range(2))),
+                "decode tokens/s, MoE (gather-and-gemv at few rows), batch 1 / 64",
+                "decode-cuda-h100-moe-gather.json",
+                joined(num("moe_b1_tok_s", tok), num("moe_b64_tok_s", tok)),
+            ),
+            Figure(
+                "decode, MoE / dense of equal active parameters, batch 1 / 64",
+                "decode-cuda-h100-moe-gather.json",
+                joined(
+                    num("moe_over_dense_b1", ".2f", unit="x"),
+                    num("moe_over_dense_b64", ".2f", unit="x"),
+                ),
             ),
             Figure(
                 "bf16 refit of the MoE model (3.1B params)",

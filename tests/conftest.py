@@ -4,8 +4,8 @@ Tiny models gain nothing from intra-op threads, and on shared cores extra thread
 each other (steps measured 10-25x slower); the previous count is restored after each test.
 Under CI (CI=true) hypothesis draws a fixed sequence of examples, so a red run is reproducible
 and never depends on the day's random seed; locally it keeps exploring.
-Tests marked slow run first: on a few cores the long ones start at once and the short ones fill
-the other workers, instead of one long test starting last and running alone.
+Tests marked slow run first, spread over the xdist workers: on a few cores the long ones start
+at once and the short ones fill in, instead of one worker running every long test in a row.
 """
 
 import os
@@ -20,8 +20,25 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: else as found
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:] = slow_first(items, workers)
+
+
+def slow_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The items as `workers` consecutive runs of the sizes pytest-xdist's worksteal deals out
+    (it hands each worker one run and steals from a run's end), each run opening with its
+    round-robin share of the slow tests; the others keep their order."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = iter([item for item in items if not item.get_closest_marker("slow")])
+    out: list[pytest.Item] = []
+    left = len(items)
+    for w in range(workers):
+        size = left // (workers - w)
+        left -= size
+        share = slow[w::workers]
+        out += share + [item for _, item in zip(range(size - len(share)), fast, strict=False)]
+    return out + list(fast)
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,10 @@ A preset is plain data (`Preset`, frozen) built by a function, so it reads as th
 one place and the CLI only applies a few overrides. `rl` is the RL loop's config (None:
 supervised training only). Presets: `tiny_cpu` (the default main job on 2 CPU cores),
 `h200_small` (~120M benchmark model), `h200_grpo`, the MoE twins `tiny_cpu_moe` and
-`h200_grpo_moe`, `h200_learn` (a run whose held-out reward GRPO visibly lifts), and
-`smollm2_grpo` / `smollm2_grpo_dense` (SmolLM2-135M-Instruct imported from GGUF, upcycled or
-dense). What each one is for and how its sizes were picked: docs/training.md.
+`h200_grpo_moe`, the DeepSeek-V4 twin `tiny_cpu_v4`, `h200_learn` (a run whose held-out
+reward GRPO visibly lifts), and `smollm2_grpo` / `smollm2_grpo_dense` (SmolLM2-135M-Instruct
+imported from GGUF, upcycled or dense). What each one is for and how its sizes were picked:
+docs/training.md.
 Left out: argument parsing (cli/) and command-line overrides (overrides.py).
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from birkhoff.config import ModelConfig, MoEConfig
+from birkhoff.config import ModelConfig, MoEConfig, V4AttentionConfig
 from birkhoff.rl.config import RLConfig
 from birkhoff.tokenizer import CharTokenizer
 from birkhoff.train.config import TrainConfig
@@ -145,6 +146,38 @@ def tiny_cpu_moe() -> Preset:
     return base.replace(name="tiny-cpu-moe", model=base.model.replace(moe=moe))
 
 
+def tiny_cpu_v4() -> Preset:
+    """tiny-cpu with DeepSeek-V4 attention and MoE (docs/v4.md): a CSA and an HCA layer (the MTP
+    depth is a sliding one), the hash-routed MoE layer first, then top-2 of 4 experts."""
+    base = tiny_cpu()
+    attention = V4AttentionConfig(
+        q_lora_rank=32,
+        head_dim=16,
+        qk_rope_head_dim=8,
+        layer_types=("compressed_sparse_attention", "heavily_compressed_attention"),
+        sliding_window=16,
+        compress_rate_csa=4,
+        compress_rate_hca=16,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+        o_groups=2,
+        o_lora_rank=32,
+    )
+    moe = MoEConfig(
+        num_experts=4,
+        experts_per_token=2,
+        expert_hidden=64,
+        num_dense_layers=0,
+        num_hash_layers=1,
+        scoring="sqrtsoftplus",
+        swiglu_limit=10.0,
+        balance_loss="switch",
+    )
+    model = base.model.replace(num_kv_heads=1, attention=attention, moe=moe)
+    return base.replace(name="tiny-cpu-v4", model=model)
+
+
 def h200_grpo_moe() -> Preset:
     """h200-grpo with MoE layers: 32 experts of width 512, top-3, one shared expert."""
     base = h200_grpo()
@@ -230,6 +263,7 @@ def smollm2_grpo_dense() -> Preset:
 PRESETS: dict[str, Callable[[], Preset]] = {
     "tiny-cpu": tiny_cpu,
     "tiny-cpu-moe": tiny_cpu_moe,
+    "tiny-cpu-v4": tiny_cpu_v4,
     "h200-small": h200_small,
     "h200-grpo": h200_grpo,
     "h200-grpo-moe": h200_grpo_moe,

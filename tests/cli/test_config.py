@@ -124,7 +124,8 @@ def test_help_shows_defaults_and_every_preset(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert all(name in text for name in PRESETS)
+    unwrapped = text.replace("- ", "-")  # argparse wraps lines at hyphens (tiny-|cpu-v4)
+    assert all(name in unwrapped for name in PRESETS)
     assert (
         "(default: tiny-cpu)" in text
         and "rl.num_steps (GRPO steps) (default: the preset's; tiny-cpu: 150)" in text
@@ -232,3 +233,31 @@ def test_a_missing_checkpoint_is_named_with_its_flag(tmp_path: Path, capsys) -> 
     assert f"--init {missing}: no such checkpoint directory" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(missing)]) == 2
     assert f"--checkpoint {missing}: no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_checkpoint_every_is_a_flag_of_both_jobs(tmp_path: Path, capsys) -> None:
+    for job, setting in (("run", "rl"), ("train", "train")):
+        assert main([job, "--out", str(tmp_path / job), "--checkpoint-every", "-1"]) == 2
+        assert "--checkpoint-every -1 is invalid: must be an int >= 0" in capsys.readouterr().err
+        assert main(["presets", "tiny-cpu", "--set", f"{setting}.checkpoint_every=7"]) == 0
+        assert "checkpoint_every = 7" in capsys.readouterr().out
+
+
+def test_help_shows_a_default_of_zero(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "sampling seed (default: 0)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_overwrite_removes_the_old_runs_tracking_logs(tmp_path) -> None:
+    from birkhoff.cli.resume import prepare_run_dir
+    from birkhoff.cli.run import RUN_OUTPUTS
+    from birkhoff.presets import get_preset
+
+    for name in ("metrics.jsonl", "tensorboard/events.out", "wandb/run/x", "keep.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("old")
+    prepare_run_dir(
+        tmp_path, get_preset("tiny-cpu"), resume=False, overwrite=True, outputs=RUN_OUTPUTS
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]

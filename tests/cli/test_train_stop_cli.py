@@ -114,3 +114,27 @@ def test_a_checkpoint_of_the_other_job_is_refused(tmp_path: Path, capsys) -> Non
     assert "holds a `birkhoff train` run; `birkhoff run` resumes only its own" in (
         capsys.readouterr().err
     )
+
+
+def test_non_finite_steps_stop_train_pointing_at_its_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import birkhoff.train.loop
+    from birkhoff.train.step import supervised_loss, train_step
+
+    def nan_from_step_3(*args, **kwargs):
+        if kwargs["step"] >= 3:
+            kwargs["loss_fn"] = lambda m, b: (lambda lm: (lm[0] * float("nan"), lm[1]))(
+                supervised_loss(m, b)
+            )
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(birkhoff.train.loop, "train_step", nan_from_step_3)
+    args = ["train", "--out", str(tmp_path), *SMALL, "--checkpoint-every", "2",
+            "--set", "train.max_skipped_in_row=2"]  # fmt: skip
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("birkhoff train: training stopped: steps 3-4: 2")
+    assert (
+        f"last good checkpoint: {tmp_path / 'checkpoint'} (step 4; --resume" in err[0]
+    )  # a skipped update leaves it whole

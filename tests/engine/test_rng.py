@@ -10,10 +10,10 @@ from birkhoff.engine.rng import (
     ACCEPT,
     SAMPLE,
     RequestRandom,
-    sample_inverse_cdf,
     splitmix64,
     splitmix64_reference,
 )
+from birkhoff.engine.sampling import sample_inverse_cdf
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

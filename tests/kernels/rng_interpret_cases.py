@@ -16,7 +16,13 @@ from sample_cases import (
     check_sample_next,
     check_sample_rows,
 )
-from step_inputs_cases import INPUT_CASES, check_chunk_inputs, check_chunk_inputs_errors
+from step_inputs_cases import (
+    DEPTH_CASES,
+    INPUT_CASES,
+    check_chunk_inputs,
+    check_chunk_inputs_errors,
+    check_depth_inputs,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
@@ -53,6 +59,11 @@ def test_chunk_inputs_equal_the_eager_ops(case: tuple) -> None:
 
 def test_chunk_inputs_errors() -> None:
     check_chunk_inputs_errors("cpu")
+
+
+@pytest.mark.parametrize("case", DEPTH_CASES, ids=str)
+def test_depth_inputs_equal_the_eager_ops(case: tuple) -> None:
+    check_depth_inputs("cpu", case)
 
 
 @pytest.mark.parametrize("case", ACCEPT_CASES, ids=str)

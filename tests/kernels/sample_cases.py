@@ -1,5 +1,5 @@
 """Shared checks of the fused per-row sampling (kernels/sample.py) against the eager functions
-of engine/sampling.py and rng.sample_inverse_cdf, run in the Triton interpreter on CPU
+of engine/sampling.py (sample_tokens, sample_inverse_cdf), run in the Triton interpreter on CPU
 (rng_interpret_cases.py) and on CUDA (test_rng_gpu.py); and the fused sampling site of a plain
 decode step (`sample_next`) against the launches it replaces.
 
@@ -14,8 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from birkhoff.engine.rng import DRAFT, SAMPLE, TAGS, RequestRandom, sample_inverse_cdf
-from birkhoff.engine.sampling import RowSampling, SamplingParams, SamplingTable, sample_tokens
+from birkhoff.engine.rng import DRAFT, SAMPLE, TAGS, RequestRandom
+from birkhoff.engine.sampling import (
+    RowSampling,
+    SamplingParams,
+    SamplingTable,
+    sample_inverse_cdf,
+    sample_tokens,
+)
 from birkhoff.kernels.sample import sample_next, sample_rows
 
 # (rows, vocab, logits dtype, logit scale): one block and several, V no power of two, V = 1,
@@ -71,9 +77,9 @@ def check_sample_edges(device: str) -> None:
     assert token.tolist() == sample_inverse_cdf(probs, u).tolist()
     greedy = sample_rows(logits, rs.temperature_A, rs.greedy_A, None)[2]
     assert greedy.tolist() == [1, 3]
-    with pytest.raises(ValueError, match="temperature must be torch.float32 of shape"):
+    with pytest.raises(ValueError, match="temperature must be a torch.float32 tensor of shape"):
         sample_rows(logits, rs.temperature_A.double(), rs.greedy_A, u)
-    with pytest.raises(ValueError, match="u must be torch.float64 of shape"):
+    with pytest.raises(ValueError, match="u must be a torch.float64 tensor of shape"):
         sample_rows(logits, rs.temperature_A, rs.greedy_A, u[:1])
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         sample_rows(logits[None], rs.temperature_A, rs.greedy_A, u)
@@ -122,7 +128,7 @@ def check_sample_next(device: str, V: int, dtype: torch.dtype) -> None:
                 assert torch.equal(tokens, expected_tokens)
             else:
                 assert _largest((out[:, 1] - lp).abs() / lp.abs().clamp(min=1)) <= 1e-5
-    with pytest.raises(ValueError, match="rows must be a contiguous 1-D torch.int64"):
+    with pytest.raises(ValueError, match="rows must be a contiguous torch.int64 tensor"):
         sample_next(logits, rows.int(), n, live, *tables, tokens, trash, TAGS, SAMPLE, 1)
     with pytest.raises(ValueError, match="trash slot 40 outside"):
         sample_next(logits, rows, n, live, *tables, tokens, N, TAGS, SAMPLE, 1)

@@ -106,3 +106,49 @@ def test_merge_is_norms_concat_projection_per_stream() -> None:
     merged = mtp_merge(h, emb, depth.hidden_norm.weight, depth.embed_norm.weight,
                        eps=cfg.norm_eps, project=lambda x: x @ W.t())  # fmt: skip
     torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_v4_mtp_depths_are_sliding_top_k_moe_blocks() -> None:
+    """DeepSeek-V4's MTP layer: sliding-window attention (compress ratio 0) and a top-k MoE,
+    whatever the main layers are (here all compressed, the first ones hash-routed)."""
+    from birkhoff.config import MoEConfig, V4AttentionConfig
+    from birkhoff.model.moe import HashMoEFeedForward, MoEFeedForward
+
+    kinds = ("compressed_sparse_attention", "heavily_compressed_attention")
+    attention = V4AttentionConfig(
+        q_lora_rank=8,
+        head_dim=16,
+        qk_rope_head_dim=8,
+        layer_types=kinds,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=2,
+        index_head_dim=8,
+    )
+    moe = MoEConfig(
+        num_experts=4, experts_per_token=2, expert_hidden=16, num_dense_layers=0, num_hash_layers=2
+    )
+    cfg = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=4, num_kv_heads=1,
+                      mtp_depth=2, attention=attention, moe=moe)  # fmt: skip
+    model = Transformer(cfg)
+    assert [b.attn.compressor is not None for b in model.layers] == [True, True]
+    for depth in model.mtp_depths:
+        assert depth.block.attn.layer_type == "sliding_attention"
+        assert depth.block.attn.compressor is None
+        assert isinstance(depth.block.mlp, MoEFeedForward)
+        assert not isinstance(depth.block.mlp, HashMoEFeedForward)
+
+
+def test_merge_is_v4s_two_projections() -> None:
+    """V4's merge e_proj(enorm(emb)) + h_proj(hnorm(h)) is birkhoff's with proj = [h_proj |
+    e_proj] along the input dim (the import's mapping, interop/v4_names.py)."""
+    torch.manual_seed(0)
+    D = 8
+    h, emb = torch.randn(2, 3, 4, D, dtype=torch.float64), torch.randn(2, 3, D, dtype=torch.float64)
+    h_proj, e_proj = torch.randn(D, D, dtype=torch.float64), torch.randn(D, D, dtype=torch.float64)
+    hnorm, enorm = torch.rand(D, dtype=torch.float64), torch.rand(D, dtype=torch.float64)
+    proj = torch.cat([h_proj, e_proj], dim=1)
+    ours = mtp_merge(h, emb, hnorm, enorm, eps=1e-6, project=lambda x: x @ proj.T)
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # noqa: E731
+    theirs = rms(emb, enorm)[:, :, None] @ e_proj.T + rms(h, hnorm) @ h_proj.T
+    torch.testing.assert_close(ours, theirs, rtol=1e-14, atol=1e-14)

@@ -28,7 +28,7 @@ def birkhoff(*args: str, nproc: int | None = None) -> subprocess.CompletedProces
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_torchrun_job_on_cuda_resumes_and_consolidates(nproc: int, tmp_path: Path) -> None:
     if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} CUDA devices")
+        pytest.skip("needs CUDA" if nproc == 1 else f"needs CUDA: {nproc} devices")
     out = tmp_path / "run"
     job = ["run", "--preset", "tiny-cpu", "--device", "cuda", "--out", str(out),
            "--warmup-steps", "6", "--steps", "4", "--no-progress"]  # fmt: skip

@@ -109,3 +109,17 @@ def test_chat_tokenizer_gets_chat_prompts_and_free_text_room(tmp_path: Path) -> 
     ids = prompt_ids(problem, tok)
     assert ids == tok.encode_chat([{"role": "user", "content": problem.prompt}])
     assert ids[0] == tok.token_id("<|im_start|>", "im_start")  # the template frames the prompt
+
+
+def test_task_flag_keeps_the_task_options_the_user_set() -> None:
+    from birkhoff.cli.commands import build_parser
+    from birkhoff.cli.run import inputs_from_args
+
+    args = build_parser().parse_args(
+        ["run", "--task", "addition", "--set", "task_options.num_digits=3"]
+    )
+    preset, _ = inputs_from_args(args)
+    assert preset.task == "addition" and preset.task_options == {"num_digits": 3}
+    bad = build_parser().parse_args(["run", "--task", "countdown", "--set", "task_options.x=3"])
+    with pytest.raises(ValueError, match="--task countdown: "):
+        inputs_from_args(bad)

@@ -23,14 +23,25 @@ def add_hf_arguments(parser: argparse.ArgumentParser, source: str) -> None:
 
 def add_import_hf_arguments(parser: argparse.ArgumentParser) -> None:
     add_hf_arguments(parser, "HuggingFace checkpoint directory, or a .gguf file")
-    parser.add_argument("--streams", type=int, default=1, help="S mHC streams (upcycled)")
-    parser.add_argument("--mtp-depth", type=int, default=0, help="M MTP depths (upcycled)")
+    parser.add_argument(
+        "--streams", type=int, default=None, help="S mHC streams (upcycled; default 1, V4: its own)"
+    )
+    parser.add_argument(
+        "--mtp-depth", type=int, default=None, help="M MTP depths (upcycled; V4: keep the first M)"
+    )
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
 
 
 def add_export_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    add_hf_arguments(parser, "birkhoff checkpoint directory (S = 1)")
+    add_hf_arguments(parser, "birkhoff checkpoint directory (S = 1, or a DeepSeek-V4 model)")
     parser.add_argument("--drop-mtp", action="store_true", help="leave MTP weights out")
+    parser.add_argument(
+        "--layout",
+        choices=("transformers", "deepseek"),
+        default="transformers",
+        help="DeepSeek-V4 tensor names: transformers' or DeepSeek's original ones",
+    )
+    parser.add_argument("--fp8", action="store_true", help="DeepSeek-V4: block-fp8 matmul weights")
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -45,8 +56,17 @@ def run_import_hf(args: argparse.Namespace) -> Path:
     from birkhoff.interop.hf import import_hf
 
     check_out(args)
-    convert = import_gguf if args.source.suffix == ".gguf" else import_hf
-    return convert(
+    if args.source.suffix == ".gguf":
+        streams = 1 if args.streams is None else args.streams
+        depth = 0 if args.mtp_depth is None else args.mtp_depth
+        return import_gguf(
+            args.source,
+            args.out,
+            num_streams=streams,
+            mtp_depth=depth,
+            max_seq_len=args.max_seq_len,
+        )
+    return import_hf(
         args.source,
         args.out,
         num_streams=args.streams,
@@ -60,7 +80,9 @@ def run_export_hf(args: argparse.Namespace) -> Path:
     from birkhoff.interop.hf import export_hf
 
     check_out(args)
-    return export_hf(args.source, args.out, drop_mtp=args.drop_mtp)
+    return export_hf(
+        args.source, args.out, drop_mtp=args.drop_mtp, layout=args.layout, fp8=args.fp8
+    )
 
 
 RUNS: dict[str, Callable[[argparse.Namespace], Path]] = {

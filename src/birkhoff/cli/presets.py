@@ -40,6 +40,10 @@ def describe(preset: Preset) -> str:
     """One line: the model's shape, the task, the supervised and GRPO schedule."""
     m, t, rl = preset.model, preset.train, preset.rl
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.experts_per_token}" if m.moe else ""
+    if m.attention is not None:  # DeepSeek-V4: its layer kinds, in order
+        short = {"sliding_attention": "sliding", "compressed_sparse_attention": "CSA"}
+        kinds = [short.get(kind, "HCA") for kind in m.attention.layer_types]
+        moe = f", V4 attention ({' + '.join(kinds)}){moe}"
     options = ",".join(f"{k}={v}" for k, v in preset.task_options.items())
     parts = [
         f"dim {m.dim} x {m.num_layers} layers, S={m.num_streams}, M={m.mtp_depth}{moe}, "

@@ -15,13 +15,14 @@ from birkhoff.cli.common import (
     RunFailed,
     UsageError,
     add_job_arguments,
+    check_kernels,
     check_trackers,
     is_main,
     open_trackers,
     set_threads,
     start_job,
 )
-from birkhoff.cli.config import add_config_arguments, preset_from_args
+from birkhoff.cli.config import add_config_arguments, preset_from_args, settings_overrides
 from birkhoff.cli.resume import (
     add_resume_arguments,
     check_resume_flags,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # imported when used: `birkhoff --help` stays fast
     from birkhoff.rl.loop import GRPORun
     from birkhoff.runtime.stop import StopFlag
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png", "reference")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", "plots.png", "reference", "tensorboard", "wandb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="rl.warmup_steps")
     parser.add_argument("--steps", type=int, default=None, help="rl.num_steps (GRPO steps)")
     parser.add_argument("--seed", type=int, default=None, help="train.seed")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="rl.checkpoint_every (0: at the end)"
+    )
     add_input_arguments(parser)
     add_config_arguments(parser)
     add_resume_arguments(parser)
@@ -78,6 +82,7 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[Preset, dict[str, Any]]:
     preset = run_preset(args)
     return run_inputs(
         preset,
+        task_options=task_options_set(args, preset),
         out=args.out or Path("runs") / preset.name,
         init=args.init,
         data=args.data,
@@ -93,7 +98,16 @@ FLAGS = {  # dedicated flag -> setting
     "steps": "rl.num_steps",
     "max_new_tokens": "rl.max_new_tokens",
     "seed": "train.seed",
+    "checkpoint_every": "rl.checkpoint_every",
 }
+
+
+def task_options_set(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
+    """The task options the command line or --config set (parsed, as the preset holds them):
+    with --task they go to that task rather than being dropped with the preset's own task."""
+    prefix = "task_options."
+    keys = {o.path.removeprefix(prefix) for o in settings_overrides(args, FLAGS)}
+    return {k: preset.task_options[k] for k in keys if k in preset.task_options}
 
 
 def run_preset(args: argparse.Namespace) -> Preset:
@@ -119,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     assert preset.rl is not None
     check_trackers(args)
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
+    check_kernels(preset, device)
     prepare_run_dir(out, preset, resume=args.resume, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
     with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
         return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)

@@ -21,11 +21,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from birkhoff.config import KERNELS, Kernels, ModelConfig, check
+from birkhoff.config import Kernels, ModelConfig, check, resolve_kernels
 from birkhoff.engine.decode import Completion, Generation
 from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.engine.graphs import GraphPool, GraphSteps, Steps
-from birkhoff.engine.kv_cache import DrafterState, KVCache, StreamBuffer
+from birkhoff.engine.kv_cache import (
+    DrafterState,
+    KVCache,
+    LayerCompression,
+    StreamBuffer,
+    compression_states,
+)
 from birkhoff.engine.layout import (
     Quantize,
     TensorSpec,
@@ -40,6 +46,7 @@ from birkhoff.engine.rows import RowState
 from birkhoff.engine.sampling import SamplingParams
 from birkhoff.engine.speculative import SpecStats
 from birkhoff.engine.stop import Detokenize
+from birkhoff.engine.v4_forward import v4_rope_tables
 from birkhoff.kernels import use_fused
 from birkhoff.kernels.mhc import served_phi
 from birkhoff.model.layers import rope_tables
@@ -67,7 +74,7 @@ class Engine:
         kernels: Kernels = "auto",
     ) -> None:
         check(quantize in (None, "fp8"), "quantize", quantize, "None | 'fp8'")
-        check(kernels in KERNELS, "kernels", kernels, " | ".join(KERNELS))
+        kernels = resolve_kernels(cfg, kernels)  # V4: eager ('triton' refused)
         check(
             dtype.is_floating_point and dtype.itemsize >= 2, "dtype", dtype, "bf16/fp16/fp32/fp64"
         )
@@ -106,7 +113,11 @@ class Engine:
         # slots 0..max_seq_len+spec-1 hold positions; the last one is the trash slot
         self.capacity = seq + spec + 1
         positions = torch.arange(self.capacity, device=self.device)
-        self.rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
+        self.rope = (
+            rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg=cfg)
+            if cfg.attention is None
+            else v4_rope_tables(positions, cfg)
+        )
         self._cache: KVCache | None = None
         self._drafter: DrafterState | None = None
         self._rows: RowState | None = None
@@ -218,16 +229,26 @@ class Engine:
         return [replace(c, weight_version=version) for c in completions]
 
     def main_cache(self) -> KVCache:
+        """The main model's cache; V4: one shared kv head per layer and the compressed layers'
+        states (engine/v4_forward.py)."""
         if self._cache is None:
-            cfg = self.cfg
+            cfg, B, v4 = self.cfg, self.max_batch_size, self.cfg.attention is not None
+            compressed: tuple[LayerCompression | None, ...] = ()
+            if v4:
+                spec, dtype = self.max_speculative_tokens, self.dtype
+                compressed = compression_states(
+                    cfg, B, self.capacity, spec, dtype=dtype, device=self.device
+                )
             self._cache = KVCache(
                 cfg.num_layers,
-                self.max_batch_size,
+                B,
                 cfg.kv_heads,
                 self.capacity,
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                shared=v4,
+                compressed=compressed,
             )
         return self._cache
 
@@ -249,6 +270,7 @@ class Engine:
                 cfg.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                shared=cfg.attention is not None,  # V4's MTP depths are sliding layers
             )
             streams = StreamBuffer(
                 n,

@@ -7,7 +7,8 @@ A chunk is T consecutive positions per active row from a per-row position (prefi
 verify step, an MTP depth catching up); padded slots read and write the cache's trash slot.
 The numerics are `birkhoff.model`'s pure functions, so an fp32 engine matches the trainer to
 rounding; `kernels` ("auto" | "eager" | "triton", the engine's option) picks their fused Triton
-forms (docs/engine.md says which launch covers what). Left out: paged attention.
+forms (docs/engine.md says which launch covers what). DeepSeek-V4 attention records go to
+engine/v4_forward.py. Left out: paged attention.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from birkhoff.engine.layout import (
     AttentionWeights,
     BlockWeights,
     DenseWeights,
+    DepthWeights,
     HeadWeights,
     HyperWeights,
     MoEWeights,
+    V4AttentionWeights,
     Weights,
 )
 from birkhoff.engine.linear import linear
 from birkhoff.engine.moe import moe_mlp
+from birkhoff.engine.v4_forward import v4_attention
 from birkhoff.kernels import mhc, use_fused
 from birkhoff.kernels.attention import decode_attention_rope
 from birkhoff.kernels.norm_rope import rope_cache
@@ -60,6 +64,7 @@ class Chunk:
     cos_ATK: Tensor  # rope tables at the positions, [A,T,K/2]
     sin_ATK: Tensor
     limit: int  # keys are slots 0..limit-1
+    tables: tuple[Tensor, Tensor] | None = None  # the whole rope tables (V4's compressors)
 
     @functools.cached_property
     def mask_A1TN(self) -> Tensor:
@@ -81,7 +86,7 @@ def chunk_at(
     """The chunk of `positions_AT` (trash for padding) of cache rows `rows_A`, from device
     tensors only (no host sync: usable inside a CUDA graph capture)."""
     cos, sin = rope[0][positions_AT], rope[1][positions_AT]
-    return Chunk(rows_A, prefix_rows, positions_AT, valid_AT, cos, sin, limit)
+    return Chunk(rows_A, prefix_rows, positions_AT, valid_AT, cos, sin, limit, rope)
 
 
 def read_cache(cache: KVCache, layer: int, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -174,11 +179,16 @@ def mlp(x_ATD: Tensor, m: DenseWeights[Tensor], *, kernels: str) -> Tensor:
 
 
 def feed_forward(
-    x_ATD: Tensor, m: DenseWeights[Tensor] | MoEWeights[Tensor], cfg: ModelConfig, *, kernels: str
+    x_ATD: Tensor,
+    m: DenseWeights[Tensor] | MoEWeights[Tensor],
+    cfg: ModelConfig,
+    tokens_AT: Tensor | None = None,
+    *,
+    kernels: str,
 ) -> Tensor:
-    """The block's MLP: MoE (engine/moe.py) or SwiGLU."""
+    """The block's MLP: MoE (engine/moe.py; hash layers route by `tokens_AT`) or SwiGLU."""
     if isinstance(m, MoEWeights):
-        return moe_mlp(x_ATD, m, cfg, kernels=kernels)
+        return moe_mlp(x_ATD, m, cfg, kernels=kernels, tokens_AT=tokens_AT)
     return mlp(x_ATD, m, kernels=kernels)
 
 
@@ -261,16 +271,21 @@ def block(
     chunk: Chunk,
     proj: Proj,
     next_hc: HyperWeights[Tensor] | None,
+    tokens_AT: Tensor | None = None,
     *,
     kernels: str,
 ) -> tuple[Tensor, Proj]:
-    """One block; `proj` and `next_hc` as `hyper` takes them, for its first and last entry."""
+    """One block; `proj` and `next_hc` as `hyper` takes them, for its first and last entry;
+    `tokens_AT`: the chunk's token ids (V4's hash-routed MoE layers route by them)."""
+    a = blk.attn
 
     def attend(h_ATD: Tensor) -> Tensor:
-        return attention(h_ATD, blk.attn, cfg, cache, layer, chunk, kernels=kernels)
+        if isinstance(a, V4AttentionWeights):
+            return v4_attention(h_ATD, a, cfg, cache, layer, chunk, kernels=kernels)
+        return attention(h_ATD, a, cfg, cache, layer, chunk, kernels=kernels)
 
     def ffn(h_ATD: Tensor) -> Tensor:
-        return feed_forward(h_ATD, blk.mlp, cfg, kernels=kernels)
+        return feed_forward(h_ATD, blk.mlp, cfg, tokens_AT, kernels=kernels)
 
     x_ATSD, proj = hyper(
         x_ATSD, blk.hc_attn, blk.attn_norm, cfg, attend, proj, blk.hc_mlp, kernels=kernels
@@ -329,26 +344,30 @@ def main_forward(
     proj: Proj = None
     next_hcs = [blk.hc_attn for blk in w.layers[1:]] + [w.head.contraction]
     for i, (blk, next_hc) in enumerate(zip(w.layers, next_hcs, strict=True)):
-        x_ATSD, proj = block(x_ATSD, blk, cfg, cache, i, chunk, proj, next_hc, kernels=kernels)
+        x_ATSD, proj = block(
+            x_ATSD, blk, cfg, cache, i, chunk, proj, next_hc, tokens_AT, kernels=kernels
+        )
     return x_ATSD, contract_norm(x_ATSD, w.head, cfg, proj, kernels=kernels)
 
 
-def mtp_forward(
+def mtp_weights(w: Weights, depth: int) -> DepthWeights[Tensor]:
+    """Draft depth `depth`'s weights (0-based; beyond M-1 the last depth's)."""
+    return w.mtp[min(depth, len(w.mtp) - 1)]
+
+
+def mtp_input(
     w: Weights,
     cfg: ModelConfig,
     depth: int,
-    cache: KVCache,
     h_prev_ATSD: Tensor,
     tokens_AT: Tensor,
-    chunk: Chunk,
     *,
     kernels: str,
-) -> tuple[Tensor, Tensor]:
-    """Draft depth `depth` (0-based; beyond M-1 reuses the last depth's weights):
-    h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))], one mHC block, own contraction + norm.
-    Returns (h_k [A,T,S,D], lm_head input [A,T,D]); fills cache layer `depth`."""
-    d = w.mtp[min(depth, len(w.mtp) - 1)]
-    x_ATSD = mtp_merge(
+) -> Tensor:
+    """h'_k = W_k [RMSNorm(h_{k-1}); RMSNorm(Emb(t_{i+k}))] [A,T,S,D] of draft depth `depth`
+    (`model.mtp.mtp_merge`; `kernels.step_inputs.depth_inputs` fuses what precedes W_k)."""
+    d = mtp_weights(w, depth)
+    return mtp_merge(
         h_prev_ATSD,
         F.embedding(tokens_AT, w.embed),
         d.hidden_norm,
@@ -357,6 +376,22 @@ def mtp_forward(
         project=lambda merged: linear(merged, d.proj, kernels=kernels),
         kernels=kernels,
     )
+
+
+def mtp_forward(
+    w: Weights,
+    cfg: ModelConfig,
+    depth: int,
+    cache: KVCache,
+    x_ATSD: Tensor,
+    chunk: Chunk,
+    *,
+    kernels: str,
+) -> tuple[Tensor, Tensor]:
+    """Draft depth `depth` (0-based) on its merged input h'_k (`mtp_input`): one mHC block, its
+    own contraction + norm. Returns (h_k [A,T,S,D], lm_head input [A,T,D]); fills cache layer
+    `depth`."""
+    d = mtp_weights(w, depth)
     x_ATSD, proj = block(
         x_ATSD, d.block, cfg, cache, depth, chunk, None, d.head.contraction, kernels=kernels
     )

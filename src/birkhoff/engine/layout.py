@@ -1,13 +1,14 @@
 """The engine's inference layout: typed weight records, served names, and the manifest.
 
 Legend: D model dim, H query heads, G kv heads, K head dim, F MLP hidden, V vocab, S streams,
-C = S*D, P = S*S+2S, E experts.
+C = S*D, P = S*S+2S, E experts, O query low rank, I indexer heads, R experts per token.
 
 `layout(cfg)` builds the model's weight records once, with a `Slot` at every leaf: the served
 name, its trainer parts (concatenated on dim 0: fused q/k/v and gate/up) and how it is served.
 The flat views (`engine_parts`, `build_manifest`) and the engine's forward records
 (`load_weights`: the same tree with tensors at the leaves) both come from it, so a name is
-written once; docs/engine.md lists the names and dtypes. Left out: sharding across devices.
+written once; docs/engine.md lists the names and dtypes (DeepSeek-V4 attention: docs/v4.md,
+"Engine"). Left out: sharding across devices.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast
 import torch
 from torch import Tensor
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import ModelConfig, V4AttentionConfig
 from birkhoff.engine.fp8 import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIX, scale_shape
-from birkhoff.model.moe import is_moe_layer
+from birkhoff.model.moe import is_hash_layer, is_moe_layer
 
 Quantize = Literal["fp8"] | None
 Parts = tuple[tuple[str, tuple[int, ...]], ...]  # (trainer name, shape) in concatenation order
 # "matmul": fp8 when quantized; "fp32": always fp32 (routing, mHC coefficients); "plain": the
-# engine dtype (norms, embeddings, biases)
-Kind = Literal["matmul", "fp32", "plain"]
+# engine dtype (norms, embeddings, biases); "index": int64, never cast (V4's hash table)
+Kind = Literal["matmul", "fp32", "plain", "index"]
 T = TypeVar("T")
 
 
@@ -77,6 +78,42 @@ class AttentionWeights(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class CompressorWeights(Generic[T]):
+    """A V4 compressor: kv and gate projections fused on dim 0 ([2 * width, D]; width K, or 2K for
+    the overlapping windows of CSA), the gate bias per window slot [ratio, width], the entry
+    norm [K]."""
+
+    kv_gate: Linear[T]
+    position_bias: T
+    norm: T
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerWeights(Generic[T]):
+    """CSA's lightning indexer: its own compressor, query projection [I*K, O], head weights
+    [I, D]."""
+
+    compressor: CompressorWeights[T]
+    q_b: Linear[T]
+    weights_proj: Linear[T]
+
+
+@dataclass(frozen=True, slots=True)
+class V4AttentionWeights(Generic[T]):
+    """DeepSeek-V4 attention (model/v4_attention.py): q_a_proj and kv_proj fused on dim 0."""
+
+    q_a_kv: Linear[T]  # [O + K, D]
+    q_a_norm: T  # [O]
+    q_b: Linear[T]  # [H*K, O]
+    kv_norm: T  # [K]
+    o_a: Linear[T]  # [groups * rank, H*K / groups], one block per head group
+    o_b: Linear[T]  # [D, groups * rank]
+    sinks: T  # [H]
+    compressor: CompressorWeights[T] | None  # CSA and HCA layers
+    indexer: IndexerWeights[T] | None  # CSA layers
+
+
+@dataclass(frozen=True, slots=True)
 class DenseWeights(Generic[T]):
     gate_up: Linear[T]  # [2F, D]
     down: Linear[T]  # [D, F]
@@ -84,20 +121,22 @@ class DenseWeights(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class MoEWeights(Generic[T]):
-    """Router (fp32), stacked experts [E, 2F, D] / [E, D, F], optional shared experts."""
+    """Router (fp32), stacked experts [E, 2F, D] / [E, D, F], optional shared experts; top-k
+    layers select with `router_bias`, V4's hash layers take the experts of `tid2eid` [V, R]."""
 
     router: T
-    router_bias: T
+    router_bias: T | None
     experts_gate_up: Linear[T]
     experts_down: Linear[T]
     shared_gate_up: Linear[T] | None
     shared_down: Linear[T] | None
+    tid2eid: T | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockWeights(Generic[T]):
     attn_norm: T
-    attn: AttentionWeights[T]
+    attn: AttentionWeights[T] | V4AttentionWeights[T]
     hc_attn: HyperWeights[T] | None  # None: S = 1, the plain residual
     mlp_norm: T
     mlp: DenseWeights[T] | MoEWeights[T]
@@ -174,18 +213,69 @@ def _attention(attn: str, cfg: ModelConfig) -> AttentionWeights[Slot]:
     )
 
 
-def _moe(mlp: str, cfg: ModelConfig) -> MoEWeights[Slot]:
+def _moe(mlp: str, cfg: ModelConfig, index: int) -> MoEWeights[Slot]:
     """An MoE feed-forward's router, stacked experts and shared experts (trainer layout)."""
     assert cfg.moe is not None
     D, E, F = cfg.dim, cfg.moe.num_experts, cfg.moe.expert_hidden
     shared = cfg.moe.num_shared_experts * F  # F' of the shared experts' one SwiGLU
+    hashed = is_hash_layer(cfg, index)
+    R = cfg.moe.experts_per_token
     return MoEWeights(
         router=_one(mlp + "router.weight", E, D, kind="fp32"),
-        router_bias=_one(mlp + "router_bias", E, kind="fp32"),
+        router_bias=None if hashed else _one(mlp + "router_bias", E, kind="fp32"),
         experts_gate_up=_linear(mlp + "experts.w_gate_up", E, 2 * F, D),
         experts_down=_linear(mlp + "experts.w_down", E, D, F),
         shared_gate_up=_linear(mlp + "shared.w_gate_up", 2 * shared, D) if shared else None,
         shared_down=_linear(mlp + "shared.w_down", D, shared) if shared else None,
+        tid2eid=_one(mlp + "tid2eid", cfg.vocab_size, R, kind="index") if hashed else None,
+    )
+
+
+def _compressor(p: str, dim: int, K: int, ratio: int, *, overlap: bool) -> CompressorWeights[Slot]:
+    """A compressor's records under prefix `p`; its projections stay in the engine dtype (V4's
+    checkpoints keep them out of fp8)."""
+    W = 2 * K if overlap else K
+    kv_gate = ((p + "kv_proj.weight", (W, dim)), (p + "gate_proj.weight", (W, dim)))
+    return CompressorWeights(
+        kv_gate=Linear(Slot(p + "kv_gate.weight", kv_gate, "plain")),
+        position_bias=_one(p + "position_bias", ratio, W),
+        norm=_one(p + "kv_norm.weight", K),
+    )
+
+
+def _indexer(p: str, cfg: ModelConfig, v4: V4AttentionConfig) -> IndexerWeights[Slot]:
+    K, heads = v4.index_head_dim, v4.index_n_heads
+    return IndexerWeights(
+        compressor=_compressor(p, cfg.dim, K, v4.compress_rate_csa, overlap=True),
+        q_b=Linear(_one(p + "q_b_proj.weight", heads * K, v4.q_lora_rank)),
+        weights_proj=Linear(_one(p + "scorer.weights_proj.weight", heads, cfg.dim)),
+    )
+
+
+def _v4(prefix: str, cfg: ModelConfig, index: int) -> V4AttentionWeights[Slot]:
+    """Block `index`'s V4 attention; the compressor and indexer of its layer kind."""
+    v4, a = cfg.attention, prefix + "attn."
+    assert isinstance(v4, V4AttentionConfig)
+    D, H, K, rank_q = cfg.dim, cfg.num_heads, v4.head_dim, v4.q_lora_rank
+    kind, c = v4.layer_type(index), a + "compressor."
+    q_a_kv = ((a + "q_a_proj.weight", (rank_q, D)), (a + "kv_proj.weight", (K, D)))
+    compressor = indexer = None
+    if kind == "compressed_sparse_attention":
+        compressor = _compressor(c, D, K, v4.compress_rate_csa, overlap=True)
+        indexer = _indexer(c + "indexer.", cfg, v4)
+    elif kind == "heavily_compressed_attention":
+        compressor = _compressor(c, D, K, v4.compress_rate_hca, overlap=False)
+    rank = v4.o_groups * v4.o_lora_rank
+    return V4AttentionWeights(
+        q_a_kv=Linear(Slot(a + "q_a_kv.weight", q_a_kv, "matmul")),
+        q_a_norm=_one(a + "q_a_norm.weight", rank_q),
+        q_b=_linear(a + "q_b_proj.weight", H * K, rank_q),
+        kv_norm=_one(a + "kv_norm.weight", K),
+        o_a=_linear(a + "o_a_proj.weight", rank, H * K // v4.o_groups),
+        o_b=_linear(a + "o_b_proj.weight", D, rank),
+        sinks=_one(a + "sinks", H),
+        compressor=compressor,
+        indexer=indexer,
     )
 
 
@@ -203,10 +293,10 @@ def _block(prefix: str, cfg: ModelConfig, index: int) -> BlockWeights[Slot]:
     mlp = prefix + "mlp."
     return BlockWeights(
         attn_norm=_one(prefix + "attn_norm.weight", cfg.dim),
-        attn=_attention(prefix + "attn.", cfg),
+        attn=_v4(prefix, cfg, index) if cfg.attention else _attention(prefix + "attn.", cfg),
         hc_attn=_hyper(prefix + "hc_attn.", cfg, contraction=False),
         mlp_norm=_one(prefix + "mlp_norm.weight", cfg.dim),
-        mlp=_moe(mlp, cfg) if is_moe_layer(cfg, index) else _dense(mlp, cfg),
+        mlp=_moe(mlp, cfg, index) if is_moe_layer(cfg, index) else _dense(mlp, cfg),
         hc_mlp=_hyper(prefix + "hc_mlp.", cfg, contraction=False),
     )
 
@@ -275,6 +365,9 @@ def matmul_weights(cfg: ModelConfig) -> frozenset[str]:
     return frozenset(name for name, s in slots(cfg).items() if s.kind == "matmul")
 
 
+KIND_DTYPES = {"fp32": torch.float32, "index": torch.int64}  # the rest: the engine dtype
+
+
 def build_manifest(
     cfg: ModelConfig, *, dtype: torch.dtype, quantize: Quantize
 ) -> dict[str, TensorSpec]:
@@ -286,7 +379,7 @@ def build_manifest(
             scales = scale_shape(s.shape, FP8_BLOCK)
             manifest[name + SCALE_SUFFIX] = TensorSpec(scales, torch.float32)
         else:
-            manifest[name] = TensorSpec(s.shape, torch.float32 if s.kind == "fp32" else dtype)
+            manifest[name] = TensorSpec(s.shape, KIND_DTYPES.get(s.kind, dtype))
     return manifest
 
 

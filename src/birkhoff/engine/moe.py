@@ -1,7 +1,7 @@
 """The engine's MoE feed-forward on a block's `MoEWeights` record: gather-and-gemv for a few
 token rows, the trainer's `moe_ffn` otherwise.
 
-Legend: A active rows, T tokens of one chunk, X token rows (A*T flattened), D model dim.
+Legend: A active rows, T tokens, X token rows (A*T flattened), D model dim, R experts per token.
 
 A few rows (decode, verify and draft chunks of small batches; `kernels.moe_gemv.serves`) with
 fused kernels on take `kernels.moe_gemv`: one routing launch, then one launch that reads only
@@ -9,9 +9,9 @@ the picked experts' gate_up rows (and the shared experts') and one for their dow
 gated sum, fp8 codes decoded in registers: a routed expert costs what a dense gemv of its size
 does. Everything else goes through `birkhoff.model.moe.moe_ffn`, the function the trainer's
 `MoEFeedForward` calls (grouped GEMMs on CUDA), so the engine routes every token exactly as the
-trainer does; its fp8 expert stacks are dequantized to the activation dtype first
-(`engine.linear.weight`). Routing is per token (no capacity limit), so padded slots of a chunk
-change no real token's experts. Both paths equal the trainer's math up to matmul rounding.
+trainer does (V4's hash layers: the experts of each token id); fp8 expert stacks are
+dequantized first (`engine.linear.weight`). Routing is per token (no capacity limit), so padded
+slots change no real token's experts. Both paths equal the trainer's math up to rounding.
 """
 
 from __future__ import annotations
@@ -26,13 +26,24 @@ from birkhoff.model.moe import moe_ffn
 
 
 def moe_mlp(
-    x_ATD: Tensor, mlp: MoEWeights[Tensor], cfg: ModelConfig, *, kernels: str = "eager"
+    x_ATD: Tensor,
+    mlp: MoEWeights[Tensor],
+    cfg: ModelConfig,
+    *,
+    kernels: str = "eager",
+    tokens_AT: Tensor | None = None,
 ) -> Tensor:
-    """Output [A,T,D] of the MoE feed-forward `mlp`."""
+    """Output [A,T,D] of the MoE feed-forward `mlp`; a hash layer (`mlp.tid2eid`) takes the
+    experts of the token ids `tokens_AT`."""
     assert cfg.moe is not None, "an MoE layer in a config without moe"
     A, T, D = x_ATD.shape
     x_XD = x_ATD.reshape(A * T, D)
-    if use_fused(x_ATD, kernels) and moe_gemv.serves(A * T) and _gatherable(mlp):
+    expert_ids_XR = None
+    if mlp.tid2eid is not None:
+        assert tokens_AT is not None, "a hash-routed MoE layer needs the chunk's token ids"
+        expert_ids_XR = mlp.tid2eid[tokens_AT.reshape(-1)]
+    fused = use_fused(x_ATD, kernels) and expert_ids_XR is None
+    if fused and moe_gemv.serves(A * T) and _gatherable(mlp):
         return gather_gemv(x_XD, mlp, cfg).view(A, T, D)
     dtype = x_ATD.dtype
     shared = None
@@ -46,6 +57,7 @@ def moe_mlp(
         weight(mlp.experts_down, dtype),
         shared,
         moe=cfg.moe,
+        expert_ids_TR=expert_ids_XR,
     )
     return y_XD.view(A, T, D)
 

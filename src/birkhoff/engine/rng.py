@@ -5,9 +5,8 @@ Legend: N rows (one per draw), V vocab.
 Every random number a request consumes is a pure function of (seed, request index, token
 position, draw tag), hashed on the device with splitmix64, so a request's tokens never depend on
 batch composition, slot or `max_batch_size`. Draws are keyed by the pending token's position and
-a tag distinct within a step (SAMPLE, DRAFT + k, ACCEPT + j). Sampling from a distribution is
-inverse-CDF with one uniform per row (zero-mass tokens are never chosen). Why counter-based and
-how the keys stay unique: docs/engine.md.
+a tag distinct within a step (SAMPLE, DRAFT + k, ACCEPT + j); a row's draw from a distribution
+(sampling.py) takes one uniform. Why counter-based and how the keys stay unique: docs/engine.md.
 Left out: stateful generators (torch.Generator) in the engine.
 """
 
@@ -91,16 +90,3 @@ class RequestRandom:
             return splitmix_uniform(*torch.broadcast_tensors(key, counter))
         bits = splitmix64(key ^ counter)  # keys are random: one mix suffices
         return _shr(bits, 11).double() * 2.0**-53  # 53 random bits -> [0, 1) exactly
-
-
-def sample_inverse_cdf(probs_NV: Tensor, u_N: Tensor) -> Tensor:
-    """The first index whose cumulative mass exceeds u * total: exact sampling from probs.
-
-    u * total can round up to total; the clamp to the first index reaching the total (the last
-    token with mass) keeps zero-mass tokens out in that case too.
-    """
-    cdf_NV = probs_NV.double().cumsum(dim=-1)
-    total_N1 = cdf_NV[:, -1:].contiguous()
-    index_N1 = torch.searchsorted(cdf_NV, u_N[:, None] * total_N1, right=True)
-    last_N1 = torch.searchsorted(cdf_NV, total_N1, right=False)
-    return torch.minimum(index_N1, last_N1).squeeze(-1)

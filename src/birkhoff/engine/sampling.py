@@ -1,6 +1,9 @@
-"""Sampling parameters and the per-row sampling distribution.
+"""Sampling in one place: parameters, the per-row distribution, the inverse-CDF draw, and a
+step's sampling site (`sample_site`: the fused `kernels.sample.sample_next`, or these eager
+functions, which are its reference).
 
-Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab.
+Legend: A rows of logits (active rows, or active rows x chunk tokens flattened), V vocab,
+B cache rows, N cache positions.
 
 `target_logprobs` gives the distribution a token is sampled from: for temperature > 0, logits /
 temperature, then top-k, then top-p, then softmax over what is kept (a sampled token's logprob
@@ -22,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from birkhoff.config import check
-from birkhoff.engine.rng import sample_inverse_cdf
+from birkhoff.engine.rng import TAGS, RequestRandom
 from birkhoff.engine.transfer import to_device
+from birkhoff.kernels.sample import sample_next
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +166,59 @@ def sample_logits(logits_AV: Tensor, rs: RowSampling) -> tuple[Tensor, Tensor]:
     return logp_AV, sampling_probs(logp_AV, rs.greedy_A)
 
 
+def sample_inverse_cdf(probs_AV: Tensor, u_A: Tensor) -> Tensor:
+    """The first index whose cumulative mass exceeds u * total: exact sampling from probs.
+
+    u * total can round up to total; the clamp to the first index reaching the total (the last
+    token with mass) keeps zero-mass tokens out in that case too.
+    """
+    cdf_AV = probs_AV.double().cumsum(dim=-1)
+    total_A1 = cdf_AV[:, -1:].contiguous()
+    index_A1 = torch.searchsorted(cdf_AV, u_A[:, None] * total_A1, right=True)
+    last_A1 = torch.searchsorted(cdf_AV, total_A1, right=False)
+    return torch.minimum(index_A1, last_A1).squeeze(-1)
+
+
 def sample_tokens(
     logits_AV: Tensor, rs: RowSampling, u_A: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log-probs, the probs a token is sampled from, the token drawn with uniforms `u_A` by the
-    inverse CDF, or None without them). The eager reference: with fused kernels and no row
-    filtering, a step's sampling sites are single launches (`kernels.sample.sample_next`,
-    `kernels.accept.verify_accept`) sharing `kernels.sample.sample_rows`' row arithmetic."""
+    inverse CDF, or None without them): the eager reference of `kernels.sample.sample_rows`."""
     logp_AV, probs_AV = sample_logits(logits_AV, rs)
     return logp_AV, probs_AV, None if u_A is None else sample_inverse_cdf(probs_AV, u_A)
+
+
+class SiteRows(NamedTuple):
+    """The rows a sampling site draws for and the engine's per-row state it reads and writes."""
+
+    rows_A: Tensor  # cache rows
+    n_A: Tensor  # their pending positions
+    live_A: Tensor  # rows that hold a request (the others write the trash slot)
+    table: SamplingTable
+    rng: RequestRandom
+    tokens_BN: Tensor
+    trash: int
+
+
+def sample_site(
+    logits_AV: Tensor, site: SiteRows, tag: int, offset: int, *, fused: bool, filtered: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A sampling site of rows at pending positions n (draw tag `tag`): ([A, 2] fp64 of (token,
+    its logprob), the tokens [A], the probs [A, V] they were drawn from); each token is written
+    to tokens_BN at n + offset (the trash slot where not live). `fused` (no row filtering): one
+    launch (`kernels.sample.sample_next`); else the eager `sample_tokens`, which also serves
+    top-k / top-p (`filtered`: some row filters)."""
+    rows_A, n_A, live_A, table, rng, tokens_BN, trash = site
+    if fused:
+        params = table.params
+        tables = (params.temperature_A, params.greedy_A, rng.keys_R)
+        return sample_next(
+            logits_AV, rows_A, n_A.long(), live_A, *tables, tokens_BN, trash, TAGS, tag, offset
+        )
+    rs = table.select(rows_A, filtered=filtered)
+    u_A = rng.uniform(rows_A, n_A, tag)
+    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A)
+    assert token_A is not None
+    tokens_BN[rows_A, torch.where(live_A, n_A + offset, trash)] = token_A
+    logp_A = logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
+    return torch.stack((token_A.double(), logp_A.double()), dim=1), token_A, probs_AV

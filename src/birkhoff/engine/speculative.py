@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from birkhoff.engine.rng import sample_inverse_cdf
+from birkhoff.engine.sampling import sample_inverse_cdf
 
 
 def accept_drafts(

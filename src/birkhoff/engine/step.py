@@ -26,12 +26,15 @@ from birkhoff.engine.forward import (
     lm_head,
     main_forward,
     mtp_forward,
+    mtp_input,
+    mtp_weights,
 )
 from birkhoff.engine.kv_cache import DrafterState, KVCache
 from birkhoff.engine.layout import Weights
+from birkhoff.engine.linear import linear
 from birkhoff.engine.rng import ACCEPT, DRAFT, SAMPLE, TAGS
 from birkhoff.engine.rows import RowState
-from birkhoff.engine.sampling import sample_tokens
+from birkhoff.engine.sampling import SiteRows, sample_site, sample_tokens
 from birkhoff.engine.speculative import accept_drafts
 from birkhoff.kernels import use_fused
 
@@ -69,35 +72,12 @@ def sample_at(
     tag: int,
     offset: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A sampling site of rows at pending positions n (draw tag `tag`): ([A, 2] fp64 of (token,
-    its logprob), the tokens [A], the probs [A, V] they were drawn from); each token is written
-    to tokens_BN at n + offset (the trash slot where not live). With fused kernels and no row
-    filtering: one launch (`kernels.sample.sample_next`)."""
-    table, tokens_BN, trash = ctx.rows.sampling.params, ctx.rows.tokens_BN, ctx.cache.trash
-    if fused_sampling(ctx, logits_AV):
-        from birkhoff.kernels.sample import sample_next
-
-        return sample_next(
-            logits_AV,
-            rows_A,
-            n_A.long(),
-            live_A,
-            table.temperature_A,
-            table.greedy_A,
-            ctx.rows.rng.keys_R,
-            tokens_BN,
-            trash,
-            TAGS,
-            tag,
-            offset,
-        )
-    rs = ctx.rows.sampling.select(rows_A, filtered=ctx.filtered)
-    u_A = ctx.rows.rng.uniform(rows_A, n_A, tag)
-    logp_AV, probs_AV, token_A = sample_tokens(logits_AV, rs, u_A)
-    assert token_A is not None
-    tokens_BN[rows_A, torch.where(live_A, n_A + offset, trash)] = token_A
-    logp_A = logp_AV.gather(-1, token_A[:, None]).squeeze(-1)
-    return torch.stack((token_A.double(), logp_A.double()), dim=1), token_A, probs_AV
+    """`sampling.sample_site` on the step's rows and tables: ([A, 2] fp64 of (token, its
+    logprob), the tokens [A], the probs [A, V] they were drawn from)."""
+    rows = ctx.rows
+    site = SiteRows(rows_A, n_A, live_A, rows.sampling, rows.rng, rows.tokens_BN, ctx.cache.trash)
+    fused = fused_sampling(ctx, logits_AV)
+    return sample_site(logits_AV, site, tag, offset, fused=fused, filtered=ctx.filtered)
 
 
 def step_chunk(
@@ -164,6 +144,51 @@ def prefill_step(
     return sample_at(ctx, rows_A, last_A, live_A, logits_AV, SAMPLE, 1)[0]
 
 
+def depth_chunk(
+    ctx: StepContext,
+    rows_A: Tensor,
+    prefix: int | None,
+    k: int,
+    start_A: Tensor | None,
+    end_A: Tensor,
+    live_A: Tensor,
+    T: int,
+    limit: int,
+) -> tuple[Chunk, Tensor, Tensor]:
+    """(draft depth k's chunk as `step_chunk` builds it with bound `end` and token shift k, its
+    merged input h'_k [A,T,S,D] (`forward.mtp_input`), the chunk offset of position end - 1
+    [A], clamped to 0..T-1). With fused kernels: one launch (`kernels.step_inputs`) before
+    the merge's projection."""
+    assert ctx.drafter is not None
+    if use_fused(live_A, ctx.kernels):
+        from birkhoff.kernels.step_inputs import depth_inputs
+
+        d = mtp_weights(ctx.w, k - 1)
+        slots_AT, valid_AT, cos, sin, merge_in, last_A = depth_inputs(
+            start_A,
+            end_A,
+            live_A,
+            rows_A,
+            ctx.rows.tokens_BN,
+            *ctx.rope,
+            ctx.drafter.streams.h[k - 1],
+            ctx.w.embed,
+            d.hidden_norm,
+            d.embed_norm,
+            ctx.cfg.norm_eps,
+            ctx.cache.trash,
+            T,
+            k,
+        )
+        chunk = Chunk(rows_A, prefix, slots_AT, valid_AT, cos, sin, limit)
+        return chunk, linear(merge_in, d.proj, kernels=ctx.kernels), last_A
+    chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, start_A, end_A, live_A, T, limit, k)
+    h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
+    x_ATSD = mtp_input(ctx.w, ctx.cfg, k - 1, h_prev_ATSD, tokens_AT, kernels=ctx.kernels)
+    last_A = end_A - 1 if start_A is None else end_A - 1 - start_A
+    return chunk, x_ATSD, last_A.clamp(0, T - 1)
+
+
 def depth_pass(
     ctx: StepContext,
     rows_A: Tensor,
@@ -177,24 +202,16 @@ def depth_pass(
 ) -> tuple[Tensor, Tensor]:
     """Draft depth k over cache positions start..start+T-1 (start 0 where None) that are below
     `end` in live rows (the rest pads onto the trash slot): reads h_{k-1} there, embeds t_{j+k}
-    at position j, fills depth k's cache and, below the last depth, stores h_k. Returns (h_k
-    [A,T,S,D], lm_head input [A,T,D])."""
+    at position j, fills depth k's cache and, below the last depth, stores h_k. Returns (the
+    lm_head input [A,T,D], the chunk offset of position end - 1 [A])."""
     assert ctx.drafter is not None
-    chunk, tokens_AT = step_chunk(ctx, rows_A, prefix, start_A, end_A, live_A, T, limit, k)
-    h_prev_ATSD = ctx.drafter.streams.read(k - 1, rows_A, chunk.positions_AT)
+    chunk, x_ATSD, last_A = depth_chunk(ctx, rows_A, prefix, k, start_A, end_A, live_A, T, limit)
     h_ATSD, head_ATD = mtp_forward(
-        ctx.w,
-        ctx.cfg,
-        k - 1,
-        ctx.drafter.cache,
-        h_prev_ATSD,
-        tokens_AT,
-        chunk,
-        kernels=ctx.kernels,
+        ctx.w, ctx.cfg, k - 1, ctx.drafter.cache, x_ATSD, chunk, kernels=ctx.kernels
     )
     if k < ctx.num_drafts:
         ctx.drafter.streams.write(k, rows_A, chunk.positions_AT, h_ATSD)
-    return h_ATSD, head_ATD
+    return head_ATD, last_A
 
 
 def catch_up_step(
@@ -221,13 +238,13 @@ def draft(
     """(drafts [A,J], their distributions q [A,J,V]): depth k recomputes its positions from
     valid_JB[k-1] up to n-1 and drafts t_{n+k} from position n-1 (written to tokens_BN)."""
     assert ctx.drafter is not None
-    J, valid_JB, n_last_A = ctx.num_drafts, ctx.drafter.valid_JB, n_A - 1
+    J, valid_JB = ctx.num_drafts, ctx.drafter.valid_JB
     drafts, qs = [], []
     for k in range(1, J + 1):
         start_A = valid_JB[k - 1, :prefix] if prefix is not None else valid_JB[k - 1, rows_A]
         T = ctx.draft_lengths[k - 1] if ctx.draft_lengths else J + k
-        _, head_ATD = depth_pass(ctx, rows_A, prefix, k, start_A, n_A, live_A, T, limit)
-        last_A = (n_last_A - start_A).clamp(0, T - 1)  # the offset of position n-1
+        # last: the chunk offset of position n-1
+        head_ATD, last_A = depth_pass(ctx, rows_A, prefix, k, start_A, n_A, live_A, T, limit)
         at_A1D = last_A[:, None, None].expand(-1, 1, head_ATD.shape[-1])
         logits_AV = lm_head(head_ATD.gather(1, at_A1D)[:, 0], ctx.w, kernels=ctx.kernels)
         _, draft_A, q_AV = sample_at(ctx, rows_A, n_A, live_A, logits_AV, DRAFT + k, k)

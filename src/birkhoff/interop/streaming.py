@@ -38,6 +38,7 @@ DTYPE_NAMES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",  # DeepSeek-V4's block scales (powers of two)
 }
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 

@@ -1,18 +1,21 @@
-"""Import and export of DeepSeek-V4 checkpoint directories (transformers' layout plus `mtp.*`).
+"""Import and export of DeepSeek-V4 checkpoint directories (transformers' layout plus `mtp.*`,
+or DeepSeek's original names: v4_deepseek.py reads either, or a mix, as transformers' names).
 
-Import streams one birkhoff tensor at a time (hf_import.py's plan / producer / atomic-commit
-path): its transformers tensors (v4_names.py; two are concatenated for the shared expert's
-gate_up and an MTP depth's merge projection) are read, block-fp8 ones (`e4m3` + fp32
-`NAME_scale_inv`, 128x128 blocks) dequantized to `fp8_dtype`. Every expected tensor must be
-there with the shape the config implies, and every source tensor must be used: anything else
-raises a `ValueError` naming the transformers tensor. Export writes them back under the same
-names in the stored dtype (an imported bf16/fp32 checkpoint round-trips bit for bit), or with
-`fp8=True` the matmul weights as e4m3 + scales (engine/fp8.py's quantization).
-Left out: DeepSeek's original key names, e8m0 scales, sharded output files.
+The config comes from config.json (v4_config.py). Import streams one birkhoff tensor at a time
+(hf_import.py's plan / producer / atomic-commit path): its transformers tensors (v4_names.py;
+two are concatenated for the shared expert's gate_up and an MTP depth's merge projection) are
+read, block-fp8 ones (`e4m3` + fp32 `NAME_scale_inv`, 128x128 blocks) dequantized to
+`fp8_dtype`. Every expected tensor must be there with the shape the config implies, and every
+source tensor must be used: anything else raises a `ValueError` naming the tensor. Export
+writes them back in the stored dtype (an imported bf16/fp32 checkpoint round-trips bit for bit)
+with the imported config.json (or one written from the config), in transformers' names or
+(`layout="deepseek"`) DeepSeek's; `fp8=True` writes the matmul weights as e4m3 + scales.
+Left out: fp4 experts, writing e8m0 scales, sharded output files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from functools import partial
@@ -29,6 +32,7 @@ from birkhoff.engine.fp8 import scale_shape as fp8_scale_shape
 from birkhoff.interop.hf_export import verify_streaming, write_hf_dir
 from birkhoff.interop.hf_import import (
     HF_CONFIG_FILE,
+    TOKENIZER_FILES,
     Planned,
     Producer,
     expected_specs,
@@ -41,6 +45,8 @@ from birkhoff.interop.streaming import (
     TensorSpec,
     dtype_of_name,
 )
+from birkhoff.interop.v4_config import model_config_from_v4, v4_config_from_model
+from birkhoff.interop.v4_deepseek import V4Source, deepseek_scale_name, deepseek_tensors
 from birkhoff.interop.v4_names import SCALE_SUFFIX, Parts, hf_parts, is_ignored
 from birkhoff.runtime.checkpoint import (
     CONFIG_FILE,
@@ -86,6 +92,13 @@ def joined_shape(specs: list[TensorSpec], dim: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def is_dropped(hf_name: str, cfg: ModelConfig) -> bool:
+    """A tensor of an MTP depth the import leaves out (`mtp.{k}.*` with k >= cfg.mtp_depth)."""
+    head, _, rest = hf_name.partition(".")
+    index = rest.partition(".")[0]
+    return head == "mtp" and index.isdigit() and int(index) >= cfg.mtp_depth
+
+
 def plan_v4(cfg: ModelConfig, source: TensorSource, *, fp8_dtype: torch.dtype) -> Planned:
     """(write plan, producers, aliases) of a birkhoff V4 checkpoint read from `source`."""
     shapes, aliases = expected_specs(cfg)
@@ -110,7 +123,9 @@ def plan_v4(cfg: ModelConfig, source: TensorSource, *, fp8_dtype: torch.dtype) -
         producers[name] = partial(read_parts, source, parts, fp8_dtype)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing}")
-    unknown = [n for n in source.names() if n not in used and not is_ignored(n)]
+    unknown = [
+        n for n in source.names() if n not in used and not is_ignored(n) and not is_dropped(n, cfg)
+    ]
     if unknown:
         raise ValueError(f"checkpoint tensors with no birkhoff equivalent: {unknown}")
     return plan, producers, aliases
@@ -119,18 +134,26 @@ def plan_v4(cfg: ModelConfig, source: TensorSource, *, fp8_dtype: torch.dtype) -
 def import_v4(
     directory: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    cfg: ModelConfig,
+    cfg: ModelConfig | None = None,
     *,
+    mtp_depth: int | None = None,
+    max_seq_len: int | None = None,
     fp8_dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a birkhoff checkpoint of `cfg` at `out` from the V4 checkpoint in `directory`
-    (config.json is kept beside, for export); fp8 weights are dequantized to `fp8_dtype`."""
+    """Write a birkhoff checkpoint at `out` from the V4 checkpoint in `directory` (either
+    layout); the config is config.json's (v4_config.py) unless `cfg` is given, keeping the
+    first `mtp_depth` MTP depths. fp8 weights are dequantized to `fp8_dtype`; config.json is
+    kept beside, for export."""
     src = Path(directory)
     if not (src / "config.json").is_file():
         raise ValueError(f"{src}: config.json not found (not a checkpoint directory)")
     hf_bytes = (src / "config.json").read_bytes()
-    planned = plan_v4(cfg, SafetensorsSource(src), fp8_dtype=fp8_dtype)
-    extra = {"hf_import": {"source": str(src), "model_type": json.loads(hf_bytes)["model_type"]}}
+    hf = json.loads(hf_bytes)
+    if cfg is None:
+        cfg = model_config_from_v4(hf, mtp_depth=mtp_depth, max_seq_len=max_seq_len)
+    source = V4Source(SafetensorsSource(src), fp8_dtype=fp8_dtype)
+    planned = plan_v4(cfg, source, fp8_dtype=fp8_dtype)
+    extra = {"hf_import": {"source": str(src), "model_type": hf["model_type"]}}
     side = {HF_CONFIG_FILE: hf_bytes, **side_files(src)}
     return write_planned(out, cfg, planned, extra=extra, side=side)
 
@@ -142,70 +165,119 @@ def is_fp8_weight(hf_name: str) -> bool:
     return matmul and ".compressor." not in hf_name
 
 
-def export_entries(name: str, spec: TensorSpec, *, fp8: bool) -> list[tuple[str, TensorSpec]]:
-    """The (transformers name, spec) pairs birkhoff tensor `name` is written as."""
+LAYOUTS = ("transformers", "deepseek")
+
+
+def layout_tensors(name: str, tensor: Tensor, layout: str) -> list[tuple[str, Tensor, bool]]:
+    """(name, tensor, fp8 candidate) of birkhoff tensor `name` in `layout`: split into its
+    transformers tensors, then (deepseek) renamed and the expert stacks split per expert."""
     parts = hf_parts(name)
     if parts is None:
         raise ValueError(f"{name}: no DeepSeek-V4 equivalent")
-    shape = list(spec.shape)
-    shape[parts.dim] //= len(parts.names)
-    entries = []
-    for part in parts.names:
-        if fp8 and is_fp8_weight(part):
-            entries.append((part, TensorSpec(tuple(shape), FP8_DTYPE)))
-            scale = TensorSpec(fp8_scale_shape(tuple(shape)), torch.float32)
-            entries.append((part + SCALE_SUFFIX, scale))
-        else:
-            entries.append((part, TensorSpec(tuple(shape), spec.dtype)))
-    return entries
-
-
-def export_tensors(name: str, tensor: Tensor, *, fp8: bool) -> list[tuple[str, Tensor]]:
-    """Birkhoff tensor `name` as its transformers tensors (split, optionally fp8 + scales)."""
-    parts = hf_parts(name)
-    assert parts is not None, name
     pieces = tensor.chunk(len(parts.names), dim=parts.dim)
-    out: list[tuple[str, Tensor]] = []
+    out = []
     for part, piece in zip(parts.names, pieces, strict=True):
-        if fp8 and is_fp8_weight(part):
-            q, scale_inv = quantize_fp8_blockwise(piece.float().contiguous())
-            out += [(part, q), (part + SCALE_SUFFIX, scale_inv)]
-        else:
-            out.append((part, piece.contiguous()))
+        named = deepseek_tensors(part, piece) if layout == "deepseek" else [(part, piece)]
+        out += [(n, t, is_fp8_weight(part)) for n, t in named]
     return out
 
 
+def scale_name(weight: str, layout: str) -> str:
+    return deepseek_scale_name(weight) if layout == "deepseek" else weight + SCALE_SUFFIX
+
+
+def export_entries(
+    name: str, spec: TensorSpec, *, fp8: bool, layout: str = "transformers"
+) -> list[tuple[str, TensorSpec]]:
+    """The (name, spec) pairs birkhoff tensor `name` is written as (`export_tensors`' specs)."""
+    meta = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    entries = []
+    for n, piece, candidate in layout_tensors(name, meta, layout):
+        shape = tuple(piece.shape)
+        if fp8 and candidate:
+            scale = TensorSpec(fp8_scale_shape(shape), torch.float32)
+            entries += [(n, TensorSpec(shape, FP8_DTYPE)), (scale_name(n, layout), scale)]
+        else:
+            entries.append((n, TensorSpec(shape, spec.dtype)))
+    return entries
+
+
+def export_tensors(
+    name: str, tensor: Tensor, *, fp8: bool, layout: str = "transformers"
+) -> list[tuple[str, Tensor]]:
+    """Birkhoff tensor `name` as the checkpoint's tensors (split, renamed for `layout`,
+    optionally fp8 + block scales)."""
+    out: list[tuple[str, Tensor]] = []
+    for n, piece, candidate in layout_tensors(name, tensor, layout):
+        if fp8 and candidate:
+            q, scale_inv = quantize_fp8_blockwise(piece.float().contiguous())
+            out += [(n, q), (scale_name(n, layout), scale_inv)]
+        else:
+            out.append((n, piece.contiguous()))
+    return out
+
+
+def architecture(cfg: ModelConfig) -> ModelConfig:
+    """cfg with its training options (not in a V4 config.json) at fixed values."""
+    moe = cfg.moe and dataclasses.replace(cfg.moe, bias_update_rate=0.0, balance_loss_weight=0.0)
+    return cfg.replace(mtp_loss_weight=0.0, residual_dtype="fp32", moe=moe)
+
+
+def export_config(cfg: ModelConfig, original: bytes | None) -> bytes:
+    """config.json: the imported one (its MTP depth count set to cfg's) when it still
+    describes `cfg`, else one written from `cfg`."""
+    if original is None:
+        return (json.dumps(v4_config_from_model(cfg), indent=2) + "\n").encode()
+    hf = json.loads(original)
+    if hf.get("num_nextn_predict_layers", 1) != cfg.mtp_depth:
+        hf["num_nextn_predict_layers"] = cfg.mtp_depth
+        if "compress_ratios" in hf:
+            hf["compress_ratios"] = hf["compress_ratios"][: cfg.num_layers + cfg.mtp_depth]
+        original = (json.dumps(hf, indent=2) + "\n").encode()
+    imported = model_config_from_v4(hf, max_seq_len=cfg.max_seq_len)
+    if architecture(imported) != architecture(cfg):
+        raise ValueError(f"{HF_CONFIG_FILE} no longer describes the checkpoint's config {cfg}")
+    return original
+
+
 def export_v4(
-    ckpt: str | os.PathLike[str], out: str | os.PathLike[str], *, fp8: bool = False
+    ckpt: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    fp8: bool = False,
+    layout: str = "transformers",
 ) -> Path:
-    """Write the birkhoff V4 checkpoint at `ckpt` as a V4 checkpoint directory at `out`
-    (the imported config.json back; MTP depths as `mtp.{k}.*`)."""
+    """Write the birkhoff V4 checkpoint at `ckpt` as a V4 checkpoint directory at `out`, in
+    transformers' names (MTP depths as `mtp.{k}.*`) or DeepSeek's (`layout="deepseek"`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid: one of {LAYOUTS}")
     path = Path(ckpt)
     manifest = read_manifest(path)
-    parse_config(path / CONFIG_FILE, read_verified(path, manifest, CONFIG_FILE))
-    if HF_CONFIG_FILE not in manifest:
-        raise ValueError(f"{path}: no {HF_CONFIG_FILE}; export needs an imported V4 checkpoint")
-    files = {CONFIG_FILE: read_verified(path, manifest, HF_CONFIG_FILE)}
+    cfg = parse_config(path / CONFIG_FILE, read_verified(path, manifest, CONFIG_FILE))
+    original = read_verified(path, manifest, HF_CONFIG_FILE) if HF_CONFIG_FILE in manifest else None
+    files = {CONFIG_FILE: export_config(cfg, original)}
+    files |= {n: read_verified(path, manifest, n) for n in TOKENIZER_FILES if n in manifest}
     model_file = verify_streaming(path, manifest, MODEL_FILE)
     with safe_open(str(model_file), framework="pt") as handle:
         plan: list[tuple[str, str, TensorSpec]] = []
         for n in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
             sl = handle.get_slice(n)
             spec = TensorSpec(tuple(sl.get_shape()), dtype_of_name(sl.get_dtype()))
-            plan += [(hf, n, s) for hf, s in export_entries(n, spec, fp8=fp8)]
-        return write_hf_dir(Path(out), files, plan, _Splitter(handle, fp8=fp8))
+            plan += [(hf, n, s) for hf, s in export_entries(n, spec, fp8=fp8, layout=layout)]
+        return write_hf_dir(Path(out), files, plan, _Splitter(handle, fp8=fp8, layout=layout))
 
 
 class _Splitter:
-    """`write_hf_dir`'s tensor reader: it asks for birkhoff tensor `name` once per transformers
+    """`write_hf_dir`'s tensor reader: it asks for birkhoff tensor `name` once per checkpoint
     tensor, in plan order; each birkhoff tensor is read once and handed out piece by piece."""
 
-    def __init__(self, handle: Any, *, fp8: bool) -> None:
-        self.handle, self.fp8 = handle, fp8
+    def __init__(self, handle: Any, *, fp8: bool, layout: str) -> None:
+        self.handle, self.fp8, self.layout = handle, fp8, layout
         self.pending: list[Tensor] = []
 
     def get_tensor(self, name: str) -> Tensor:
         if not self.pending:
-            pieces = export_tensors(name, self.handle.get_tensor(name), fp8=self.fp8)
+            tensor = self.handle.get_tensor(name)
+            pieces = export_tensors(name, tensor, fp8=self.fp8, layout=self.layout)
             self.pending = [t for _, t in pieces]
         return self.pending.pop(0)

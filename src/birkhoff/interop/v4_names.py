@@ -5,10 +5,11 @@ the shared expert's gate and up rows (`mlp.shared.w_gate_up`, dim 0) and an MTP 
 projection (`proj.weight` = [h_proj | e_proj], dim 1: birkhoff applies one [D, 2D] matrix to
 [RMSNorm(h); RMSNorm(emb)], V4 adds h_proj(h) + e_proj(emb)). Inside a decoder layer,
 `self_attn.*` is birkhoff's `attn.*` with the same leaf names. MTP depth k is `mtp.{k}.` in
-both: V4's MTP block holds the decoder-layer tensors at its top level next to enorm / hnorm /
-e_proj / h_proj / hc_head / norm. fp8 weights travel with `NAME_scale_inv` (fp32, one per
-128x128 block). The mapping is documented in docs/v4.md.
-Left out: DeepSeek's original key names (attn.wq_a, ffn.experts.{j}.w1, ...) and e8m0 scales.
+both: V4's MTP block holds the decoder-layer tensors at its top level next to its own enorm /
+hnorm / e_proj / h_proj / hc_head_{fn,base,scale} / norm, which keep the released checkpoint's
+names (transformers drops `mtp.*`, so it has no names of its own for them). fp8 weights travel
+with `NAME_scale_inv` (fp32, one per 128x128 block). The mapping is documented in docs/v4.md;
+DeepSeek's original names (attn.wq_a, ffn.experts.{j}.w1, ...) are v4_deepseek.py's.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ MTP = {  # birkhoff -> the checkpoint's, inside `mtp.{k}.` (the block's tensors:
     "hidden_norm.weight": "hnorm.weight",
     "embed_norm.weight": "enorm.weight",
     "norm.weight": "norm.weight",
-    "contraction.phi": "hc_head.hc_fn",
-    "contraction.bias": "hc_head.hc_base",
-    "contraction.alpha": "hc_head.hc_scale",
+    "contraction.phi": "hc_head_fn",
+    "contraction.bias": "hc_head_base",
+    "contraction.alpha": "hc_head_scale",
 }
 MTP_FUSED = {"proj.weight": Parts(("h_proj.weight", "e_proj.weight"), 1)}
 

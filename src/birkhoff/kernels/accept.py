@@ -17,15 +17,64 @@ from torch import Tensor
 
 from birkhoff.kernels.common import check_inputs, pow2, tl, triton
 from birkhoff.kernels.rng import uniform_bits
-from birkhoff.kernels.sample import BV, check_step_rows, check_tokens, check_vector, sample_row
+from birkhoff.kernels.sample import (
+    BV,
+    check_row_major,
+    check_step_rows,
+    check_tensor,
+    check_tokens,
+    inverse_cdf,
+    residual,
+    sample_row,
+)
 
 
 @triton.jit
-def _residual(p_row, q_row, v, V, has_q, use_p):
-    """A block of the residual max(0, p - q) as fp32 (p itself where `use_p`)."""
-    p = tl.load(p_row + v, mask=v < V, other=0.0)
-    q = tl.load(q_row + v, mask=(v < V) & has_q, other=0.0)
-    return tl.where(use_p, p, tl.maximum(p - q, 0.0))
+def _num_accepted(probs_ptr, q_ptr, drafts_ptr, key, a, n, V, J, TAGS, ACCEPT):
+    """The drafts [1] (int64) row a accepts: draft j stands while u_j * q(d_j) < p(d_j)."""
+    T = J + 1
+    one = tl.arange(0, 1)
+    num = tl.zeros([1], dtype=tl.int64)
+    going = tl.full([1], 1, tl.int1)
+    for j in range(J):
+        d = tl.load(drafts_ptr + a * J + j + one)
+        p_d = tl.load(probs_ptr + (a * T + j) * V + d).to(tl.float64)
+        q_d = tl.load(q_ptr + (a * J + j) * V + d).to(tl.float64)
+        u_j = uniform_bits(key, n * TAGS + ACCEPT + j + 1)
+        going = going & (u_j * q_d < p_d)
+        num += going.to(tl.int64)
+    return num
+
+
+@triton.jit
+def _next_token(p_row, q_row, has_q, u, V, BV: tl.constexpr):
+    """The token [1] (int64) drawn from the residual max(0, p - q) (from p where q is absent, or
+    where rounding emptied the residual because p ~ q)."""
+    largest = tl.zeros([1], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        largest = tl.maximum(largest, tl.max(residual(p_row, q_row, v, V, has_q, False), 0))
+    use_p = largest <= 0
+    total = tl.zeros([1], dtype=tl.float64)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        r = residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64)
+        total += tl.max(tl.cumsum(r, axis=0), axis=0)
+    return inverse_cdf(p_row, q_row, V, has_q, use_p, u * total, total, BV)
+
+
+@triton.jit
+def _store_results(res, logp_ptr, drafts_ptr, a, num, token, V, J):
+    """res[0] = a, res[1 + i] = the T = J + 1 emitted tokens, res[1 + T + i] their logprobs."""
+    T = J + 1
+    one = tl.arange(0, 1)
+    tl.store(res + one, num.to(tl.float64))
+    for i in range(T):
+        draft = tl.load(drafts_ptr + a * J + tl.minimum(i, J - 1) + one)  # (i = J: unread)
+        e = tl.where((i == num) | (i == J), token, draft)
+        tl.store(res + 1 + i + one, e.to(tl.float64))
+        lp = tl.load(logp_ptr + (a * T + i) * V + e)
+        tl.store(res + 1 + T + i + one, lp.to(tl.float64))
 
 
 @triton.jit
@@ -70,65 +119,21 @@ def verify_accept_kernel(
             logits_ptr + r * V, logp_ptr + r * V, probs_ptr + r * V, t, greedy, 0.0, V, False, BV
         )
     tl.debug_barrier()
-    one = tl.arange(0, 1)
-    num = tl.zeros([1], dtype=tl.int64)
-    going = tl.full([1], 1, tl.int1)
-    for j in range(J):
-        d = tl.load(drafts_ptr + a * J + j + one)
-        p_d = tl.load(probs_ptr + (a * T + j) * V + d).to(tl.float64)
-        q_d = tl.load(q_ptr + (a * J + j) * V + d).to(tl.float64)
-        u_j = uniform_bits(key, n * TAGS + ACCEPT + j + 1)
-        going = going & (u_j * q_d < p_d)
-        num += going.to(tl.int64)
+    num = _num_accepted(probs_ptr, q_ptr, drafts_ptr, key, a, n, V, J, TAGS, ACCEPT)
     p_row = probs_ptr + (a * T + num) * V
     q_row = q_ptr + (a * J + num) * V
-    has_q = num < J
-    largest = tl.zeros([1], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        v = v0 + tl.arange(0, BV)
-        largest = tl.maximum(largest, tl.max(_residual(p_row, q_row, v, V, has_q, False), 0))
-    use_p = largest <= 0  # rounding emptied the residual where p ~ q
-    total = tl.zeros([1], dtype=tl.float64)
-    for v0 in range(0, V, BV):
-        v = v0 + tl.arange(0, BV)
-        r = _residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64)
-        total += tl.max(tl.cumsum(r, axis=0), axis=0)
-    target = uniform_bits(key, n * TAGS + SAMPLE) * total
-    below = tl.zeros([1], dtype=tl.int64)
-    short = tl.zeros([1], dtype=tl.int64)
-    run = tl.zeros([1], dtype=tl.float64)
-    for v0 in range(0, V, BV):
-        v = v0 + tl.arange(0, BV)
-        cs = tl.cumsum(_residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64), axis=0)
-        c = run + cs
-        below += tl.sum(((c <= target) & (v < V)).to(tl.int64), axis=0)
-        short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
-        run += tl.max(cs, axis=0)
-    token = tl.minimum(below, short)
+    u = uniform_bits(key, n * TAGS + SAMPLE)
+    token = _next_token(p_row, q_row, num < J, u, V, BV)
     slot = tl.where(live, n + 1 + num, trash)
     tl.store(tokens_ptr + row * stride_tokens + slot, token)
+    one = tl.arange(0, 1)
     live_1 = tl.where(live, one == 0, False)  # a [1] mask (the interpreter's scalar & is an int)
     tl.store(n_rows_ptr + row + one, n + 1 + num, mask=live_1)
     for k in range(1, J + 1):
         start = tl.maximum(n - k + 1, 0)
         tl.store(starts_ptr + (k - 1) * stride_starts + row + one, start, mask=live_1)
     tl.store(num_ptr + a + one, num)
-    res = out_ptr + a * (1 + 2 * T)
-    tl.store(res + one, num.to(tl.float64))
-    for i in range(T):
-        draft = tl.load(drafts_ptr + a * J + tl.minimum(i, J - 1) + one)  # (i = J: unread)
-        e = tl.where((i == num) | (i == J), token, draft)
-        tl.store(res + 1 + i + one, e.to(tl.float64))
-        lp = tl.load(logp_ptr + (a * T + i) * V + e)
-        tl.store(res + 1 + T + i + one, lp.to(tl.float64))
-
-
-def _check(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if t.dtype != dtype or not t.is_contiguous() or t.shape != shape:
-        raise ValueError(
-            f"verify_accept: {name} must be a contiguous {dtype} tensor of shape "
-            f"{shape}, got {t.dtype}{tuple(t.shape)}"
-        )
+    _store_results(out_ptr + a * (1 + 2 * T), logp_ptr, drafts_ptr, a, num, token, V, J)
 
 
 @torch.library.custom_op("birkhoff::verify_accept", mutates_args=("tokens_BN", "n_B", "starts_JB"))
@@ -168,16 +173,12 @@ def verify_accept(
     (A, T, V), J = logits_ATV.shape, drafts_AJ.shape[1]
     if T != J + 1 or J < 1:
         raise ValueError(f"verify_accept: {T} verified positions for {J} drafts (need J + 1)")
-    _check("q", q_AJV, torch.float32, (A, J, V))
-    _check("drafts", drafts_AJ, torch.long, (A, J))
+    check_tensor("verify_accept", "q", q_AJV, torch.float32, (A, J, V))
+    check_tensor("verify_accept", "drafts", drafts_AJ, torch.long, (A, J))
     check_step_rows("verify_accept", A, rows_A, n_A, live_A, temperature_R, greedy_R, key_R)
     check_tokens("verify_accept", tokens_BN, trash)
-    check_vector("verify_accept", "n_B", n_B, torch.long, None)
-    if starts_JB.dtype != torch.long or starts_JB.dim() != 2 or starts_JB.stride(1) != 1:
-        raise ValueError(
-            f"verify_accept: starts must be a row-major [J, B] int64 tensor, got "
-            f"{starts_JB.dtype}{tuple(starts_JB.shape)}"
-        )
+    check_tensor("verify_accept", "n_B", n_B, torch.long, (None,))
+    check_row_major("verify_accept", "starts", starts_JB, "[J, B]")
     if starts_JB.shape[0] < J or starts_JB.shape[1] != n_B.shape[0]:
         raise ValueError(
             f"verify_accept: starts {tuple(starts_JB.shape)} for {J} drafts and {n_B.shape[0]} rows"

@@ -42,14 +42,31 @@ def _rotated(x_ptr, head, d, ok, K2, cos, sin):
 
 
 @triton.jit
-def _accumulate(scores, v_ptrs, v_mask, acc, m_i, l_i, PRECISION, DOT_FP32):
-    """One key block: the online softmax of its scores, then acc rescaled plus p v (the block's
-    values [BN, BK] at v_ptrs). Returns (acc, running max, running sum)."""
+def _cache_new(kn_ptr, kn_head, vn_rows, k_dst, v_dst, d, ok, writes, K2, cos, sin):
+    """New keys (heads at kn_ptr + kn_head, rotated) and values (at vn_rows) in the cache's
+    dtypes, columns d where `ok`; stored at k_dst + d / v_dst + d where `writes`."""
+    k_new = _rotated(kn_ptr, kn_head, d, ok, K2, cos, sin).to(k_dst.dtype.element_ty)
+    v_new = tl.load(vn_rows + d, mask=ok, other=0.0).to(v_dst.dtype.element_ty)
+    tl.store(k_dst + d, k_new, mask=writes)
+    tl.store(v_dst + d, v_new, mask=writes)
+    return k_new, v_new
+
+
+@triton.jit
+def _attend_block(q, k_col, v_row, n_ok, seen, d, d_ok, scale, acc, m_i, l_i, PRECISION, DOT_FP32):
+    """One block of keys (pointers k_col [1, BN] / v_row [BN, 1] to their head dims, read where
+    n_ok; scores kept where `seen`) scored against q; the online softmax of the scores, then
+    acc rescaled plus p v. Returns (acc, running max, running sum)."""
+    kt = tl.load(k_col + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    if DOT_FP32:
+        kt = kt.to(tl.float32)
+    scores = tl.dot(q, kt, input_precision=PRECISION) * scale
+    scores = tl.where(n_ok[None, :] & seen, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v = tl.load(v_row + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -146,28 +163,17 @@ def decode_attention_fwd(
         # every program rotates the chunk's keys (their loads need not wait for the positions);
         # the program whose split holds a position stores that key and value there (no other
         # program reads it), and the barrier orders those stores before the walk's loads
-        a64, t_ok = a.to(tl.int64), t_all < T
+        a64 = a.to(tl.int64)
         cos, sin = _angles(cos_ptr, sin_ptr, (a64 * T + t_all)[:, None], d[None, :], K // 2)
-        new_ok = t_ok[:, None] & d_ok[None, :]
-        k_new = _rotated(
-            kn_ptr,
-            (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None],
-            d[None, :],
-            new_ok,
-            K // 2,
-            cos,
-            sin,
-        )
-        v_new = tl.load(
-            vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None] + d[None, :],
-            mask=new_ok,
-            other=0.0,
-        )
-        writes = real_t & (pos_t < limit) & (pos_t // SPLIT == s)
-        own = writes[:, None] & d_ok[None, :]
+        kn_head = (a64 * skn_a + t_all * skn_t + g * skn_g)[:, None]
+        vn_rows = vn_ptr + (a64 * svn_a + t_all * svn_t + g * svn_g)[:, None]
+        new_ok = (t_all < T)[:, None] & d_ok[None, :]
+        own = (real_t & (pos_t < limit) & (pos_t // SPLIT == s))[:, None] & d_ok[None, :]
         slot = pos_t.to(tl.int64)[:, None]
-        tl.store(k_base + slot * sk_n + d[None, :], k_new.to(k_ptr.dtype.element_ty), own)
-        tl.store(v_base + slot * sv_n + d[None, :], v_new, mask=own)
+        k_dst, v_dst = k_base + slot * sk_n, v_base + slot * sv_n
+        _cache_new(
+            kn_ptr, kn_head, vn_rows, k_dst, v_dst, d[None, :], new_ok, own, K // 2, cos, sin
+        )
         cos_m, sin_m = _angles(cos_ptr, sin_ptr, (a64 * T + t_m)[:, None], d[None, :], K // 2)
         q = _rotated(q_ptr, q_head, d[None, :], q_ok, K // 2, cos_m, sin_m)
         q = q.to(q_ptr.dtype.element_ty)
@@ -182,19 +188,11 @@ def decode_attention_fwd(
     l_i = tl.zeros([BM], dtype=tl.float32)
     for start in range(lo, hi, BN):
         n = start + tl.arange(0, BN)
-        n_ok = n < hi
-        kt = tl.load(
-            k_base + n[None, :].to(tl.int64) * sk_n + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
-        scores = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
-        v_ptrs = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        acc, m_i, l_i = _accumulate(
-            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        k_col = k_base + n[None, :].to(tl.int64) * sk_n
+        v_row = v_base + n[:, None].to(tl.int64) * sv_n
+        seen = n[None, :] <= qpos[:, None]
+        acc, m_i, l_i = _attend_block(
+            q, k_col, v_row, n < hi, seen, d, d_ok, scale, acc, m_i, l_i, PRECISION, DOT_FP32
         )
 
     # output and partials are [A, T, H, (P,) K]: query vector m is token t_m, head g*R + r_m
@@ -267,21 +265,19 @@ def decode_attention_heads(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     if ROPE:  # the token's own key, rotated here, is the first key of the split holding it
-        cos, sin = _angles(cos_ptr, sin_ptr, a64, d, K // 2)
-        cos, sin = cos[None, :], sin[None, :]
+        cos, sin = _angles(cos_ptr, sin_ptr, a64, d[None, :], K // 2)
         q = _rotated(q_ptr, a64 * sq_a + h_m[:, None] * sq_h, d[None, :], q_ok, K // 2, cos, sin)
         q = q.to(q_ptr.dtype.element_ty)
-        k_new = _rotated(
-            kn_ptr, a64 * skn_a + h_m[:, None] * skn_g, d[None, :], q_ok, K // 2, cos, sin
-        ).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(
-            vn_ptr + a64 * svn_a + h_m[:, None] * svn_g + d[None, :], mask=q_ok, other=0.0
-        ).to(v_ptr.dtype.element_ty)
         first = real & (qpos < limit) & (qpos // SPLIT == s)
         writes = tl.where(first, q_ok, False)  # (the interpreter's scalar & gives an int mask)
         h64, pos64 = h_m[:, None].to(tl.int64), qpos.to(tl.int64)
-        tl.store(k_ptr + row * sk_b + h64 * sk_g + pos64 * sk_n + d[None, :], k_new, writes)
-        tl.store(v_ptr + row * sv_b + h64 * sv_g + pos64 * sv_n + d[None, :], v_new, writes)
+        k_dst = k_ptr + row * sk_b + h64 * sk_g + pos64 * sk_n
+        v_dst = v_ptr + row * sv_b + h64 * sv_g + pos64 * sv_n
+        kn_head = a64 * skn_a + h_m[:, None] * skn_g
+        vn_rows = vn_ptr + a64 * svn_a + h_m[:, None] * svn_g
+        k_new, v_new = _cache_new(
+            kn_ptr, kn_head, vn_rows, k_dst, v_dst, d[None, :], q_ok, writes, K // 2, cos, sin
+        )
         hi = tl.minimum(hi, qpos)  # the cached keys before it: no load waits for the store
         own_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
         m_i = tl.where(first, own_score, m_i)
@@ -297,22 +293,13 @@ def decode_attention_heads(
     own = h_m[:, None] == h_c[None, :]
     k_base = k_ptr + row * sk_b + h_c.to(tl.int64) * sk_g
     v_base = v_ptr + row * sv_b + h_c.to(tl.int64) * sv_g
-
     for start in range(lo, hi, BN // HB):
         n = start + c % (BN // HB)
+        k_col = k_base[None, :] + n[None, :].to(tl.int64) * sk_n
+        v_row = v_base[:, None] + n[:, None].to(tl.int64) * sv_n
         n_ok = (n < hi) & (h_c < G)
-        kt = tl.load(
-            k_base[None, :] + n[None, :].to(tl.int64) * sk_n + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        if DOT_FP32:
-            kt = kt.to(tl.float32)
-        scores = tl.dot(q, kt, input_precision=PRECISION) * scale
-        scores = tl.where(own & n_ok[None, :], scores, float("-inf"))
-        v_ptrs = v_base[:, None] + n[:, None].to(tl.int64) * sv_n + d[None, :]
-        acc, m_i, l_i = _accumulate(
-            scores, v_ptrs, n_ok[:, None] & d_ok[None, :], acc, m_i, l_i, PRECISION, DOT_FP32
+        acc, m_i, l_i = _attend_block(
+            q, k_col, v_row, n_ok, own, d, d_ok, scale, acc, m_i, l_i, PRECISION, DOT_FP32
         )
 
     o_row = a.to(tl.int64) * G + h_m  # [A, 1, H, (P,) K]
@@ -414,18 +401,10 @@ def heads_kernel(A: int, T: int, H: int, G: int) -> bool:
     return T == 1 and H == G and bool(HEADS["HB"]) and HEADS["PAIRS"] <= A * G
 
 
-def _attend(
-    q_ATHK: Tensor,
-    k_BGNK: Tensor,
-    v_BGNK: Tensor,
-    rows_A: Tensor,
-    positions_AT: Tensor,
-    valid_AT: Tensor,
-    limit: int,
-    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
-) -> Tensor:
+def _checked_query(q_ATHK: Tensor, k_BGNK: Tensor, v_BGNK: Tensor, limit: int) -> Tensor:
+    """q with a contiguous head dim, after the checks of the query against the caches."""
     check_inputs(q_ATHK, k_BGNK, v_BGNK)
-    A, T, H, K = q_ATHK.shape
+    _, T, H, K = q_ATHK.shape
     G = k_BGNK.shape[1]
     if H % G or k_BGNK.shape[-1] != K or v_BGNK.shape != k_BGNK.shape:
         raise ValueError(
@@ -436,126 +415,121 @@ def _attend(
         raise ValueError(f"decode_attention: limit {limit} exceeds {k_BGNK.shape[2]} positions")
     if T * (H // G) > MAX_QUERIES:
         raise ValueError(f"decode_attention: T * H / G = {T * H // G} > {MAX_QUERIES}")
-    if q_ATHK.stride(-1) != 1:
-        q_ATHK = q_ATHK.contiguous()
     if k_BGNK.stride(-1) != 1 or v_BGNK.stride(-1) != 1:
         raise ValueError("decode_attention: the cache's head dim must be contiguous")
-    R = H // G
+    return q_ATHK if q_ATHK.stride(-1) == 1 else q_ATHK.contiguous()
+
+
+def _attend(
+    q_ATHK: Tensor,
+    k_BGNK: Tensor,
+    v_BGNK: Tensor,
+    rows_A: Tensor,
+    positions_AT: Tensor,
+    valid_AT: Tensor,
+    limit: int,
+    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+) -> Tensor:
+    q_ATHK = _checked_query(q_ATHK, k_BGNK, v_BGNK, limit)
+    A, T, H, K = q_ATHK.shape
+    G = k_BGNK.shape[1]
     out = torch.empty((A, T, H, K), dtype=q_ATHK.dtype, device=q_ATHK.device)
     P = max(1, -(-limit // SPLIT))
     direct = P == 1
     part = out if direct else torch.empty((A, T, H, P, K), dtype=torch.float32, device=out.device)
     stat = out if direct else torch.empty((A, T, H, P, 2), dtype=torch.float32, device=out.device)
-    BK = max(16, pow2(K))
-    precision = "ieee" if q_ATHK.dtype == torch.float32 else "tf32"
     k_new, v_new, cos, sin = rope or (q_ATHK,) * 4  # unread without rope
+    cache = (q_ATHK, k_BGNK, v_BGNK, rows_A, positions_AT, valid_AT)
+    tensors = (*cache, out, part, stat, k_new, v_new, cos, sin)
+    consts = dict(
+        SPLIT=SPLIT,
+        BK=max(16, pow2(K)),
+        DIRECT=direct,
+        PRECISION="ieee" if q_ATHK.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRET,
+        ROPE=rope is not None,
+    )
     if A * T and heads_kernel(A, T, H, G):
-        launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
-        hb = launch.pop("HB")
-        if hb & (hb - 1) or launch["BN"] % hb:
-            raise ValueError(
-                f"decode_attention: HEADS HB {hb} must be a power of two dividing BN {launch['BN']}"
-            )
-        decode_attention_heads[(A * -(-G // hb), P)](
-            q_ATHK,
-            k_BGNK,
-            v_BGNK,
-            rows_A,
-            positions_AT,
-            valid_AT,
-            out,
-            part,
-            stat,
-            k_new,
-            v_new,
-            cos,
-            sin,
-            G,
-            K,
-            limit,
-            K**-0.5,
-            P,
-            positions_AT.stride(0),
-            valid_AT.stride(0),
-            q_ATHK.stride(0),
-            q_ATHK.stride(2),
-            k_BGNK.stride(0),
-            k_BGNK.stride(1),
-            k_BGNK.stride(2),
-            v_BGNK.stride(0),
-            v_BGNK.stride(1),
-            v_BGNK.stride(2),
-            k_new.stride(0),
-            k_new.stride(2),
-            v_new.stride(0),
-            v_new.stride(2),
-            SPLIT=SPLIT,
-            HB=hb,
-            BM=max(16, pow2(hb)),
-            BK=BK,
-            DIRECT=direct,
-            PRECISION=precision,
-            DOT_FP32=INTERPRET,
-            ROPE=rope is not None,
-            **launch,
-        )
+        _launch_heads(tensors, limit, P, consts)
     elif A * T:
-        decode_attention_fwd[(A * G, P)](
-            q_ATHK,
-            k_BGNK,
-            v_BGNK,
-            rows_A,
-            positions_AT,
-            valid_AT,
-            out,
-            part,
-            stat,
-            k_new,
-            v_new,
-            cos,
-            sin,
-            T,
-            R,
-            G,
-            H,
-            K,
-            limit,
-            K**-0.5,
-            P,
-            positions_AT.stride(0),
-            positions_AT.stride(1),
-            valid_AT.stride(0),
-            valid_AT.stride(1),
-            q_ATHK.stride(0),
-            q_ATHK.stride(1),
-            q_ATHK.stride(2),
-            k_BGNK.stride(0),
-            k_BGNK.stride(1),
-            k_BGNK.stride(2),
-            v_BGNK.stride(0),
-            v_BGNK.stride(1),
-            v_BGNK.stride(2),
-            k_new.stride(0),
-            k_new.stride(1),
-            k_new.stride(2),
-            v_new.stride(0),
-            v_new.stride(1),
-            v_new.stride(2),
-            SPLIT=SPLIT,
-            BM=max(16, pow2(T * R)),
-            BK=BK,
-            BT=max(2, pow2(T)),
-            DIRECT=direct,
-            PRECISION=precision,
-            DOT_FP32=INTERPRET,
-            ROPE=rope is not None,
-            **CONFIG,
-        )
+        _launch_rows(tensors, limit, P, consts)
     if A * T and not direct:
         decode_attention_combine[(A * T * H,)](
-            part, stat, out, P, K, BP=max(2, pow2(P)), BK=BK, num_warps=1 if K <= 64 else 2
+            part,
+            stat,
+            out,
+            P,
+            K,
+            BP=max(2, pow2(P)),
+            BK=consts["BK"],
+            num_warps=1 if K <= 64 else 2,
         )
     return out
+
+
+def _launch_heads(tensors: tuple[Tensor, ...], limit: int, P: int, consts: dict) -> None:
+    """`decode_attention_heads` over A rows of one token, HEADS["HB"] kv heads a program."""
+    q_ATHK, k_BGNK, v_BGNK, _, positions_AT, valid_AT, *_, k_new, v_new, _, _ = tensors
+    A, _, _, K = q_ATHK.shape
+    G = k_BGNK.shape[1]
+    launch = {k: v for k, v in HEADS.items() if k != "PAIRS"}
+    hb = launch.pop("HB")
+    if hb & (hb - 1) or launch["BN"] % hb:
+        raise ValueError(
+            f"decode_attention: HEADS HB {hb} must be a power of two dividing BN {launch['BN']}"
+        )
+    decode_attention_heads[(A * -(-G // hb), P)](
+        *tensors,
+        G,
+        K,
+        limit,
+        K**-0.5,
+        P,
+        positions_AT.stride(0),
+        valid_AT.stride(0),
+        q_ATHK.stride(0),
+        q_ATHK.stride(2),
+        *k_BGNK.stride()[:3],
+        *v_BGNK.stride()[:3],
+        k_new.stride(0),
+        k_new.stride(2),
+        v_new.stride(0),
+        v_new.stride(2),
+        HB=hb,
+        BM=max(16, pow2(hb)),
+        **consts,
+        **launch,
+    )
+
+
+def _launch_rows(tensors: tuple[Tensor, ...], limit: int, P: int, consts: dict) -> None:
+    """`decode_attention_fwd`: one program a (row, kv head) and key split."""
+    q_ATHK, k_BGNK, v_BGNK, _, positions_AT, valid_AT, *_, k_new, v_new, _, _ = tensors
+    A, T, H, K = q_ATHK.shape
+    G = k_BGNK.shape[1]
+    R = H // G
+    decode_attention_fwd[(A * G, P)](
+        *tensors,
+        T,
+        R,
+        G,
+        H,
+        K,
+        limit,
+        K**-0.5,
+        P,
+        *positions_AT.stride()[:2],
+        *valid_AT.stride()[:2],
+        *q_ATHK.stride()[:3],
+        *k_BGNK.stride()[:3],
+        *v_BGNK.stride()[:3],
+        *k_new.stride()[:3],
+        *v_new.stride()[:3],
+        BM=max(16, pow2(T * R)),
+        BT=max(2, pow2(T)),
+        **consts,
+        **CONFIG,
+    )
 
 
 @decode_attention.register_fake

@@ -3,7 +3,8 @@
 Legend: R activation rows (RB: padded to a power of two), N output features, K input features.
 
 y = x W^T (+ b) for 1 to MAX_ROWS rows, accumulated in fp32 and rounded once: a stream over W
-in [BN, BK] tiles without tensor cores (a few rows have nothing to reuse a weight for).
+in [BN, BK] tiles without tensor cores (a few rows have nothing to reuse a weight for; the rows
+share each weight tile, so a verify or draft chunk of 2-8 rows costs about one row's bytes).
 `engine.linear.linear` calls it where `serves(R, N, K)`; other shapes stay with cuBLAS.
 Block-fp8 weights (quantize="fp8") are decoded in registers from their e4m3 codes and block
 scales (no activation quantization). Launch: BN output features a program (`CONFIG`).
@@ -71,24 +72,42 @@ def gemv_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-MAX_ROWS = 4
-# 2-4 rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
+MAX_ROWS = 8  # a batch-1 verify chunk (J + 1 rows) or draft depth (J + k rows) up to J = 4
+# 2-MAX_ROWS rows: the largest W served (N * K); beyond it cuBLAS is faster (docs/log/kernels.md)
 FEW_ROWS_WEIGHTS = 1 << 22
-# one row, and 2 to MAX_ROWS rows (from sweeps: docs/log/kernels.md); block-fp8 codes have their
-# own: a byte a weight, so wider K tiles and more rows a program for the same 16-byte loads
-# (one row: 128 codes a thread in flight, 72 registers, no spills at sm_90)
+# one row, 2-4 rows of a W with N <= K, 2-4 rows with N > K ("wide": K is short, so narrower K
+# tiles and as many programs as one row's config), 5 to MAX_ROWS rows ("many": a narrower K
+# tile keeps the [RB, BN, BK] product in registers); block-fp8 codes
+# have their own: a byte a weight, so wider K tiles and more rows a program for the same
+# 16-byte loads (one row: 128 codes a thread in flight, 72 registers, no spills at sm_90).
+# "one" and "few" come from sweeps (docs/log/kernels.md); "wide" and "many" are first picks.
 CONFIG = {
     "one": dict(BN=4, BK=1024, num_warps=2),
     "few": dict(BN=2, BK=512, num_warps=2),
+    "wide": dict(BN=4, BK=256, num_warps=2),
+    "many": dict(BN=4, BK=256, num_warps=4),
     "one_fp8": dict(BN=8, BK=2048, num_warps=4),
     "few_fp8": dict(BN=2, BK=512, num_warps=2),
+    "wide_fp8": dict(BN=8, BK=256, num_warps=4),
+    "many_fp8": dict(BN=4, BK=256, num_warps=4),
 }
 
 
 def serves(rows: int, N: int, K: int) -> bool:
     """Whether `gemv` is the faster matmul for `rows` rows of W [N, K] (module docstring), bf16
     or block-fp8 (whose other matmul is `kernels.fp8_matmul.fp8_linear`)."""
-    return rows == 1 or (2 <= rows <= MAX_ROWS and N <= K and N * K <= FEW_ROWS_WEIGHTS)
+    return rows == 1 or (2 <= rows <= MAX_ROWS and N * K <= FEW_ROWS_WEIGHTS)
+
+
+def config(rows: int, N: int, K: int, fp8: bool) -> dict[str, int]:
+    """The launch configuration (`CONFIG`) for `rows` rows of W [N, K]."""
+    if rows == 1:
+        name = "one"
+    elif rows > 4:
+        name = "many"
+    else:
+        name = "wide" if N > K else "few"
+    return CONFIG[name + ("_fp8" if fp8 else "")]
 
 
 @torch.library.custom_op("birkhoff::gemv", mutates_args=())
@@ -130,7 +149,7 @@ def gemv(
             f"gemv: scale_inv {tuple(scale_inv.shape)} {scale_inv.dtype} for a "
             f"[{N}, {K}] fp8 weight, expected {blocks} float32"
         )
-    cfg = CONFIG[("one" if rows == 1 else "few") + ("_fp8" if fp8 else "")]
+    cfg = config(rows, N, K, fp8)
     bn, bk = cfg["BN"], min(cfg["BK"], max(16, pow2(K)))
     if fp8 and (block % bn or block & (block - 1)):
         raise ValueError(f"gemv: fp8 block {block} must be a power of two that BN {bn} divides")

@@ -21,6 +21,33 @@ from birkhoff.kernels.rng import uniform_bits
 
 
 @triton.jit
+def residual(p_row, q_row, v, V, has_q, use_p):
+    """A block of the residual max(0, p - q) as fp32 (p itself where `use_p`; q = 0 where not
+    `has_q`)."""
+    p = tl.load(p_row + v, mask=v < V, other=0.0)
+    q = tl.load(q_row + v, mask=(v < V) & has_q, other=0.0)
+    return tl.where(use_p, p, tl.maximum(p - q, 0.0))
+
+
+@triton.jit
+def inverse_cdf(p_row, q_row, V, has_q, use_p, target, total, BV: tl.constexpr):
+    """The token [1] (int64) drawn from `residual`'s weights by an fp64 scan: the first index
+    whose running mass exceeds target = u * total, clamped to the last index short of the total
+    (`engine.sampling.sample_inverse_cdf`)."""
+    below = tl.zeros([1], dtype=tl.int64)
+    short = tl.zeros([1], dtype=tl.int64)
+    run = tl.zeros([1], dtype=tl.float64)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        cs = tl.cumsum(residual(p_row, q_row, v, V, has_q, use_p).to(tl.float64), axis=0)
+        c = run + cs
+        below += tl.sum(((c <= target) & (v < V)).to(tl.int64), axis=0)
+        short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
+        run += tl.max(cs, axis=0)
+    return tl.minimum(below, short)
+
+
+@triton.jit
 def sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr, BV: tl.constexpr):
     """The token [1] (int64) of one row; stores its logp and probs. `u` is read only where
     HAS_U and the row is not greedy."""
@@ -54,19 +81,7 @@ def sample_row(logits, logp_row, probs_row, t, greedy, u, V, HAS_U: tl.constexpr
     token = best_i
     if HAS_U:  # noqa: SIM102 (a compile-time branch around a runtime one)
         if not greedy:
-            target = u * total
-            below = tl.zeros([1], dtype=tl.int64)
-            short = tl.zeros([1], dtype=tl.int64)
-            run = tl.zeros([1], dtype=tl.float64)
-            for v0 in range(0, V, BV):
-                v = v0 + tl.arange(0, BV)
-                p = tl.load(probs_row + v, mask=v < V, other=0.0).to(tl.float64)
-                cs = tl.cumsum(p, axis=0)
-                c = run + cs
-                below += tl.sum(((c <= target) & (v < V)).to(tl.int64), axis=0)
-                short += tl.sum(((c < total) & (v < V)).to(tl.int64), axis=0)
-                run += tl.max(cs, axis=0)
-            token = tl.minimum(below, short)
+            token = inverse_cdf(probs_row, probs_row, V, False, True, u * total, total, BV)
     return token
 
 
@@ -155,11 +170,8 @@ def sample_rows(
         ("u", u_N, torch.float64),
     )
     for name, t, dtype in wanted:
-        if t is not None and (t.shape != (N,) or t.dtype != dtype):
-            raise ValueError(
-                f"sample_rows: {name} must be {dtype} of shape ({N},), got "
-                f"{t.dtype}{tuple(t.shape)}"
-            )
+        if t is not None:
+            check_tensor("sample_rows", name, t, dtype, (N,), contiguous=False)
     logp = logits_NV.new_empty((N, V), dtype=torch.float32)
     probs = torch.empty_like(logp)
     token = torch.empty(N, dtype=torch.long, device=logits_NV.device)
@@ -187,14 +199,33 @@ def _(logits_NV, temperature_N, greedy_N, u_N):  # type: ignore[no-untyped-def]
     return logp, torch.empty_like(logp), logits_NV.new_empty((N,), dtype=torch.long)
 
 
-def check_vector(op: str, name: str, t: Tensor, dtype: torch.dtype, size: int | None) -> None:
-    """Raise ValueError unless t is a contiguous 1-D `dtype` tensor (of `size` entries)."""
-    bad_size = t.dim() == 1 and size is not None and t.shape[0] != size
-    if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or bad_size:
+def check_tensor(
+    op: str,
+    name: str,
+    t: Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int | None, ...],
+    *,
+    contiguous: bool = True,
+) -> None:
+    """Raise ValueError unless t is a `dtype` tensor of `shape` (None: any size there), and
+    contiguous where asked."""
+    sizes_ok = all(want is None or n == want for n, want in zip(t.shape, shape, strict=False))
+    shape_ok = t.dim() == len(shape) and sizes_ok
+    if t.dtype != dtype or not shape_ok or (contiguous and not t.is_contiguous()):
+        wanted = ", ".join("*" if n is None else str(n) for n in shape)
+        layout = "contiguous " if contiguous else ""
         raise ValueError(
-            f"{op}: {name} must be a contiguous 1-D {dtype} tensor"
-            f"{'' if size is None else f' of {size} entries'}, got "
+            f"{op}: {name} must be a {layout}{dtype} tensor of shape [{wanted}], got "
             f"{t.dtype}{tuple(t.shape)}"
+        )
+
+
+def check_row_major(op: str, name: str, t: Tensor, layout: str) -> None:
+    """Raise ValueError unless t is a 2-D int64 tensor whose rows are contiguous."""
+    if t.dtype != torch.long or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(
+            f"{op}: {name} must be a row-major {layout} int64 tensor, got {t.dtype}{tuple(t.shape)}"
         )
 
 
@@ -210,14 +241,14 @@ def check_step_rows(
 ) -> None:
     """The checks of a sampling site's per-row inputs and the engine's per-row tables."""
     for name, t in (("rows", rows_A), ("n", n_A)):
-        check_vector(op, name, t, torch.long, A)
+        check_tensor(op, name, t, torch.long, (A,))
     tables = (
         ("temperature", temperature_R, torch.float32),
         ("greedy", greedy_R, torch.bool),
         ("key", key_R, torch.long),
     )
     for name, t, dtype in tables:
-        check_vector(op, name, t, dtype, None)
+        check_tensor(op, name, t, dtype, (None,))
     if live_A.shape != (A,):
         raise ValueError(f"{op}: live must have {A} entries, got {tuple(live_A.shape)}")
 
@@ -225,11 +256,7 @@ def check_step_rows(
 def check_tokens(op: str, tokens_BN: Tensor, trash: int, positions: int | None = None) -> None:
     """Raise ValueError unless tokens_BN is a row-major [B, N] int64 buffer holding the trash
     slot (and so do `positions` table rows, where given)."""
-    if tokens_BN.dtype != torch.long or tokens_BN.dim() != 2 or tokens_BN.stride(1) != 1:
-        raise ValueError(
-            f"{op}: tokens must be a row-major [B, N] int64 tensor, got "
-            f"{tokens_BN.dtype}{tuple(tokens_BN.shape)}"
-        )
+    check_row_major(op, "tokens", tokens_BN, "[B, N]")
     N = tokens_BN.shape[1] if positions is None else min(tokens_BN.shape[1], positions)
     if not 0 <= trash < N:
         raise ValueError(

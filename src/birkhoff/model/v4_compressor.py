@@ -16,6 +16,8 @@ are indices); V4 trains it with a separate distillation loss, left out here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -60,8 +62,9 @@ def overlapping_windows(kv_windows: Tensor, gate_windows: Tensor, K: int) -> tup
     return kv, gate
 
 
-def pool_windows(kv_slots: Tensor, gate_slots: Tensor, norm: RMSNorm) -> Tensor:
-    """One entry per window: RMSNorm(sum over slots of softmax(gate) * kv) -> [B,Y,K]."""
+def pool_windows(kv_slots: Tensor, gate_slots: Tensor, norm: Callable[[Tensor], Tensor]) -> Tensor:
+    """One entry per window: norm(sum over slots (dim 2) of softmax(gate) * kv) -> [B,Y,K]
+    (`norm`: the compressor's RMSNorm)."""
     weights = gate_slots.softmax(dim=2, dtype=_compute_dtype(gate_slots.dtype))
     return norm((kv_slots * weights.to(kv_slots.dtype)).sum(dim=2))
 
@@ -121,12 +124,13 @@ def index_scores(q_BTIK: Tensor, keys_BYK: Tensor, weights_BTI: Tensor) -> Tenso
     return (scores_BTIY * w_BTI[..., None]).sum(dim=2)
 
 
-def top_entries(scores_BTY: Tensor, visible_TY: Tensor, k: int) -> Tensor:
-    """[B,T,Y] bool: the (at most) k visible entries of highest score for each query."""
+def top_entries(scores_BTY: Tensor, visible: Tensor, k: int) -> Tensor:
+    """[B,T,Y] bool: the (at most) k visible entries of highest score for each query (`visible`:
+    [T,Y], or [B,T,Y] where rows differ, as in the engine)."""
     B, T, Y = scores_BTY.shape
-    scores_BTY = scores_BTY.masked_fill(~visible_TY, float("-inf"))
+    scores_BTY = scores_BTY.masked_fill(~visible, float("-inf"))
     picks = scores_BTY.topk(min(k, Y), dim=-1).indices  # [B,T,min(k,Y)]
-    visible_picks = visible_TY[None].expand(B, T, Y).gather(-1, picks)  # too-early picks: dropped
+    visible_picks = visible.expand(B, T, Y).gather(-1, picks)  # too-early picks: dropped
     picked = torch.zeros(B, T, Y + 1, dtype=torch.bool, device=scores_BTY.device)
     return picked.scatter_(-1, torch.where(visible_picks, picks, Y), True)[..., :Y]
 

@@ -29,6 +29,7 @@ def run_inputs(
     eval_data: Path | None = None,
     max_new_tokens: int | None = None,
     task: str | None = None,
+    task_options: dict[str, Any] | None = None,
     out: Path | None = None,
 ) -> tuple[Preset, dict[str, Any]]:
     """The preset and GRPORun's keyword arguments for a start checkpoint and a JSONL task or a
@@ -55,6 +56,7 @@ def run_inputs(
             tokenizer=kwargs.get("tokenizer"),
             fresh_model=init is None,
             max_new_tokens=max_new_tokens,
+            options=task_options or {},
         )
     if data is not None:
         preset, splits = data_inputs(
@@ -137,11 +139,13 @@ def task_inputs(
     tokenizer: Tokenizer | None,
     fresh_model: bool,
     max_new_tokens: int | None,
+    options: dict[str, Any] | None = None,
 ) -> Preset:
-    """--task NAME: the preset with that generated task, its prompt style chosen for the
-    tokenizer (tasks.problems.task_for_tokenizer); without --max-new-tokens, room for the
-    longest of 64 sampled answers and its EOS, or FREE_TEXT_NEW_TOKENS for chat prompts. A fresh
-    model's max_seq_len grows to fit prompt + completion; a checkpoint's must already."""
+    """--task NAME (with the task `options` the user set): the preset with that generated task,
+    its prompt style chosen for the tokenizer (tasks.problems.task_for_tokenizer); without
+    --max-new-tokens, room for the longest of 64 sampled answers and its EOS, or
+    FREE_TEXT_NEW_TOKENS for chat prompts. A fresh model's max_seq_len grows to fit prompt +
+    completion; a checkpoint's must already."""
     import random
 
     from birkhoff.tasks.problems import sample_problems, task_for_tokenizer
@@ -149,7 +153,10 @@ def task_inputs(
 
     tok = tokenizer or CharTokenizer()
     chat = bool(getattr(tok, "chat", False))
-    task, options = task_for_tokenizer(name, chat=chat)
+    try:
+        task, options = task_for_tokenizer(name, chat=chat, **(options or {}))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--task {name}: {err}") from None
     problems = sample_problems(task, random.Random(0), 64)
     try:
         prompt = max(len(tok.encode_prompt(p.prompt)) for p in problems)

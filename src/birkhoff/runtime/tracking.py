@@ -48,8 +48,8 @@ def import_optional(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as err:
         raise ValueError(
-            f"--log {extra} needs the {extra!r} package: pip install "
-            f"'birkhoff[{extra}]' (or pip install {extra})"
+            f"--log {extra} needs the {extra!r} package: pip install {extra} "
+            f"(in a clone of birkhoff also: pip install -e '.[{extra}]')"
         ) from err
 
 

@@ -17,7 +17,7 @@ from birkhoff.kernels.mhc.coefficients import (
 from birkhoff.kernels.mhc.configs import CONFIG
 from birkhoff.kernels.mhc.entry import contract_norm, hyper_entry, mix_out_proj, post_res
 from birkhoff.kernels.mhc.linear_mix_out import linear_mix_out
-from birkhoff.kernels.mhc.mix_norm_linear import mix_norm_linear
+from birkhoff.kernels.mhc.mix_norm_linear import fold_entry, mix_norm, mix_norm_linear
 from birkhoff.kernels.mhc.mixes import mix_in, mix_out
 from birkhoff.kernels.mhc.phi import served_phi
 
@@ -28,10 +28,12 @@ __all__ = [
     "contract",
     "contract_norm",
     "contraction_weights",
+    "fold_entry",
     "hyper_entry",
     "linear_mix_out",
     "mhc_coefficients",
     "mix_in",
+    "mix_norm",
     "mix_norm_linear",
     "mix_out",
     "mix_out_proj",

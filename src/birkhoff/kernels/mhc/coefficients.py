@@ -524,7 +524,7 @@ def _coefficients_fake_op(x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_m
     return coefficient_buffers(x_BTSD, phi_PC, with_res, with_mix)
 
 
-_coefficients_op = FusedOp("mhc_coefficients", _coefficients_impl, _coefficients_fake_op)
+coefficients_op = FusedOp("mhc_coefficients", _coefficients_impl, _coefficients_fake_op)
 
 
 def _coefficients_bwd_impl(
@@ -543,11 +543,13 @@ def _coefficients_bwd_impl(
     iters: int,
     with_res: bool,
     eps: float,
+    mix_reduced: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(g_x, g_phi, g_a: the gradient of the pre-activations alpha z + b). g_y: the gradient of
     the mix in (shape [0] if the op did not mix in); g_pre of shape [0] with a mix in: H_pre's
-    gradient is the mix in's term alone; g_r: x's gradient from mix out's residual
-    path (shape [0] if not handed over). Both join the one write of g_x."""
+    gradient is the mix in's term alone; mix_reduced: g_pre already holds it (the caller
+    reduced <g_y, x_j>); g_r: x's gradient from mix out's residual path (shape [0] if not
+    handed over). g_y and g_r join the one write of g_x."""
     if g_r.numel() and g_r.shape != x_BTSD.shape:
         raise ValueError(f"g_r has shape {tuple(g_r.shape)}, x {tuple(x_BTSD.shape)}")
     S, D = x_BTSD.shape[-2:]
@@ -558,7 +560,9 @@ def _coefficients_bwd_impl(
     if not N:
         return g_x, torch.zeros_like(phi_PC), g_a
     mix, res = g_y.numel() > 0, g_r.numel() > 0
-    if mix:  # H_pre also reached the loss through y: g_pre += <g_y, x_j> (g_pre [0]: zero)
+    if (
+        mix and not mix_reduced
+    ):  # H_pre also reached the loss through y: g_pre += <g_y, x_j> (g_pre [0]: zero)
         g_mix = mix_in_weight_grad(g_y, x_BTSD, pre)
         g_pre = g_pre + g_mix if g_pre.numel() else g_mix
     (SP, _), cfg = pads(S, P), launch("coeff_bwd", x_BTSD, S)
@@ -600,23 +604,28 @@ _coefficients_bwd_op = FusedOp(
 )
 
 
-def _save(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def save_coefficients(ctx, inputs, output, *extra) -> None:  # type: ignore[no-untyped-def]
+    """Save what `coefficient_grads` reads (the first seven saved tensors), then `extra`."""
     x_BTSD, phi_PC, alpha, bias_P, iters, with_res, with_mix, _norm_eps, eps = inputs
     pre, _, _, _, raw_BTP, rstd_BT = output
-    ctx.save_for_backward(x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P)
+    ctx.save_for_backward(x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P, *extra)
     ctx.hyper = (iters, with_res, with_mix, eps)
 
 
 def _coefficients_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    _save(ctx, inputs, output)
+    save_coefficients(ctx, inputs, output)
     ctx.mark_non_differentiable(*output[4:])  # raw logits, rstd
 
 
-def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no-untyped-def]
-    """(g_x, g_phi, g_alpha, g_bias) from the outputs' gradients (None: zero) and what `_save`
-    kept; g_r: x's gradient from mix out's residual path, added into g_x (None: nothing)."""
-    x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = ctx.saved_tensors
-    iters, with_res, with_mix, eps = ctx.hyper
+def coefficient_grads(  # type: ignore[no-untyped-def]
+    saved, hyper, g_pre, g_post, g_res, g_y, g_r, *, mix_reduced: bool = False
+):
+    """(g_x, g_phi, g_alpha, g_bias) from the outputs' gradients (None: zero) and what
+    `save_coefficients` kept (`saved`: its first seven tensors, `hyper`: ctx.hyper); g_r: x's
+    gradient from mix out's residual path, added into g_x (None: nothing); mix_reduced: see
+    `_coefficients_bwd_impl`."""
+    x_BTSD, phi_PC, pre, raw_BTP, rstd_BT, alpha, bias_P = saved
+    iters, with_res, with_mix, eps = hyper
     specs = _output_specs(x_BTSD, phi_PC, with_res, with_mix)
     if g_pre is None and with_mix and g_y is not None:
         # H_pre's gradient from the mix in alone needs no zeros to add to (shape [0]: the
@@ -644,6 +653,7 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no
         iters,
         with_res,
         eps,
+        mix_reduced,
     )
     # alpha scales each slice of z = raw * rstd: g_alpha[i] = sum over tokens and slice of g_a z.
     P, S = raw_BTP.shape[-1], x_BTSD.shape[-2]
@@ -654,11 +664,11 @@ def _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r):  # type: ignore[no
 
 
 def _coefficients_backward(ctx, g_pre, g_post, g_res, g_y, _g_raw, _g_rstd):  # type: ignore[no-untyped-def]
-    grads = _coefficients_grads(ctx, g_pre, g_post, g_res, g_y, None)
+    grads = coefficient_grads(ctx.saved_tensors, ctx.hyper, g_pre, g_post, g_res, g_y, None)
     return *grads, None, None, None, None, None
 
 
-_coefficients_op.register_autograd(_coefficients_backward, setup_context=_coefficients_setup)
+coefficients_op.register_autograd(_coefficients_backward, setup_context=_coefficients_setup)
 
 
 class _CoefficientsMixInStreams(torch.autograd.Function):
@@ -669,14 +679,15 @@ class _CoefficientsMixInStreams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BTSD, phi_PC, alpha, bias_P, iters, norm_eps, eps):  # type: ignore[no-untyped-def]
         inputs = (x_BTSD, phi_PC, alpha, bias_P, iters, True, True, norm_eps, eps)
-        pre, post, res, y_BTD, raw_BTP, rstd_BT = _coefficients_op(*inputs)
-        _save(ctx, inputs, (pre, post, res, y_BTD, raw_BTP, rstd_BT))
+        pre, post, res, y_BTD, raw_BTP, rstd_BT = coefficients_op(*inputs)
+        save_coefficients(ctx, inputs, (pre, post, res, y_BTD, raw_BTP, rstd_BT))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros
         return y_BTD, pre, post, res, x_BTSD.view_as(x_BTSD)
 
     @staticmethod
     def backward(ctx, g_y, g_pre, g_post, g_res, g_r):  # type: ignore[no-untyped-def]
-        return *_coefficients_grads(ctx, g_pre, g_post, g_res, g_y, g_r), None, None, None
+        grads = coefficient_grads(ctx.saved_tensors, ctx.hyper, g_pre, g_post, g_res, g_y, g_r)
+        return *grads, None, None, None
 
 
 def op_inputs(
@@ -705,7 +716,7 @@ def _coefficients(
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     inputs = op_inputs(x_BTSD, phi_PC, alpha, bias_P)
-    pre, post, res, y, _, _ = _coefficients_op(*inputs, iters, with_res, with_mix, norm_eps, eps)
+    pre, post, res, y, _, _ = coefficients_op(*inputs, iters, with_res, with_mix, norm_eps, eps)
     return pre, post, res, y
 
 

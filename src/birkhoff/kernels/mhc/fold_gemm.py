@@ -1,14 +1,13 @@
-"""What the two GEMM-folded mHC ops share: the grouped tile order, the dot, the launch table.
+"""The tiled GEMM under `linear_mix_out` (mix out as a GEMM epilogue): tile order, dot, launch.
 
 Legend: N token rows, Z a GEMM's output columns; `inner` its reduction length.
 
-`mix_norm_linear` (mix in + RMSNorm as a GEMM prologue) and `linear_mix_out` (mix out as a GEMM
-epilogue) are [N, Z] GEMMs over [BM, BN] output tiles, reduced in BK steps into fp32
-accumulators. Programs run in groups of GROUP_M token blocks over every column block, so the
-W tiles and the streams' tiles a group reads stay in L2. fp32 operands take exact "ieee" dots
-(torch's default fp32 matmul, and what the CPU tests compare with); bf16/fp16 take tensor
-cores. The Triton interpreter (3.9) computes bf16 dots wrongly, so under it (EMU) a dot runs
-in fp32 on the same bf16 values.
+A [N, Z] GEMM over [BM, BN] output tiles, reduced in BK steps into fp32 accumulators. Programs
+run in groups of GROUP_M token blocks over every column block, so the W tiles and the streams'
+tiles a group reads stay in L2. fp32 operands take exact "ieee" dots (torch's default fp32
+matmul, and what the CPU tests compare with); bf16/fp16 take tensor cores. The Triton
+interpreter (3.9) computes bf16 dots wrongly, so under it (EMU) a dot runs in fp32 on the same
+bf16 values. (Mix in + RMSNorm is no GEMM prologue: `mix_norm_linear` says why.)
 """
 
 from __future__ import annotations
@@ -59,17 +58,3 @@ def gemm_launch(N: int, Z: int, inner: int, dtype: torch.dtype) -> tuple[tuple[i
     cfg["BK"] = min(int(cfg["BK"]), max(16, pow2(inner)))
     cfg.update(IEEE=fp32, EMU=INTERPRET)
     return (cdiv(N, int(cfg["BM"])) * cdiv(Z, int(cfg["BN"])),), cfg
-
-
-def row_launch(N: int, S: int, D: int) -> tuple[tuple[int, int], Launch]:
-    """(grid: token blocks x D blocks, launch parameters) of the row passes (CONFIG["fold_norm"],
-    tuned at S = 4: S tiles live at once)."""
-    cfg = dict(CONFIG["fold_norm"])
-    cfg["BD"] = min(int(cfg["BD"]), max(16, pow2(D)))
-    cfg["BN"] = max(1, int(cfg["BN"]) * 4 // max(4, pow2(S)))
-    return (cdiv(N, int(cfg["BN"])), cdiv(D, int(cfg["BD"]))), cfg
-
-
-def sum_parts(parts: torch.Tensor) -> torch.Tensor:
-    """Sum of per-block partials [blocks, ...] in a fixed order (no copy for one block)."""
-    return parts[0] if parts.shape[0] == 1 else parts.sum(0)

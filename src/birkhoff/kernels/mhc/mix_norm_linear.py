@@ -1,35 +1,30 @@
-"""Mix in + RMSNorm as a GEMM prologue, with autograd: out = RMSNorm(sum_s h_s x_s; w_n) @ W^T.
+"""Mix in + RMSNorm as one row pass ahead of the GEMM that consumes them, with autograd.
 
 Legend: B batch, T tokens (any leading shape; N = B*T rows), S streams, D model dim, Z output
-features (the QKV or gate/up weights, concatenated).
+features (the QKV or gate/up weights, concatenated), P coefficient logits.
 
-Forward: `mix_rstd` reads the streams once for each token's inverse RMS r of y = sum_s h_s x_s
-(the norm needs the whole row before a column is scaled); `mix_norm_matmul` reads them again in
-its A-tile loads (S tiles mixed in fp32, times r and w_n, cast to W's dtype) and multiplies with
-fp32 accumulators, so neither y nor the normalised input goes to HBM. y is not rounded to the
-streams' dtype before the norm (the unfused path rounds it once). Backward: g_A = g_out W and
-g_W = g_out^T A (torch's GEMMs; `norm_bwd_dot` rebuilds A and reduces c = <g_A w_n, y r> and
-w_n's partial gradients), then `norm_bwd_dx` writes g_x = h r (g_A w_n - y r c / D) and g_h's
-partials. Reductions come as per-block partials summed by torch (no atomics).
+`mix_norm_fwd` holds BN whole rows a program: y = sum_s h_s x_s in fp32, r = 1/rms(y), and
+A = y r w_n written once in the GEMM's dtype (y is not rounded first); torch's GEMM takes A.
+`mix_norm_bwd` (rows again whole, TOKENS tokens a program) reduces c = <g_A w_n, y r> / D and
+writes g_y = r (g_A w_n - y r c), g_h = <g_y, x_s> and w_n's partials.
+`fold_entry` is the folded sublayer's entry: the coefficient op and this pass as one autograd
+node that also gives x back as a view, so its backward hands g_y, g_h and mix out's g_x to the
+coefficient op's backward, which writes x's gradient once (`coefficients.coefficient_grads`).
+Not a GEMM prologue: that redoes the mix for each of the Z/BN column blocks on CUDA cores
+beside the tensor cores, and reads the streams twice (docs/mhc.md).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from birkhoff.kernels.common import check_inputs, tl, triton
+from birkhoff.kernels.common import cdiv, check_inputs, pow2, tl, triton
 from birkhoff.kernels.fused_op import FusedOp, traceable
+from birkhoff.kernels.mhc import coefficients as coef
 from birkhoff.kernels.mhc.coefficients import f32
-from birkhoff.kernels.mhc.fold_gemm import (
-    dot_acc,
-    gemm_launch,
-    gemm_tile,
-    load_wt,
-    row_launch,
-    sum_parts,
-)
-from birkhoff.kernels.mhc.mixes import tile
+from birkhoff.kernels.mhc.configs import CONFIG, Launch
 
 
 @triton.jit
@@ -46,204 +41,227 @@ def mixed_tile(x_ptr, h_ptr, n64, n_ok, d, D, S: tl.constexpr):
 
 
 @triton.jit
-def mix_rstd(
-    x_ptr, h_ptr, rstd_ptr, N, D, eps, S: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr
-):
-    """rstd[n] = 1 / sqrt(mean_d y[n, d]^2 + eps), one program per BN tokens over all of D."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_ok, n64 = n < N, n.to(tl.int64)
-    sq = tl.zeros([BN], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        y = mixed_tile(x_ptr, h_ptr, n64, n_ok, d0 + tl.arange(0, BD), D, S)
-        sq += tl.sum(y * y, axis=1)
-    tl.store(rstd_ptr + n64, 1.0 / tl.sqrt(sq / D + f32(eps)), mask=n_ok)
-
-
-@triton.jit
-def mix_norm_matmul(
+def mix_norm_fwd(
     x_ptr,
     h_ptr,
-    rstd_ptr,
     wn_ptr,
-    w_ptr,
-    out_ptr,
+    a_ptr,
+    rstd_ptr,
     N,
     D,
-    Z,
+    eps,
     S: tl.constexpr,
-    BM: tl.constexpr,
     BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMU: tl.constexpr,
+    BD: tl.constexpr,
 ):
-    """out[n, o] = sum_d (r[n] w_n[d] sum_s h[n, s] x[n, s, d]) W[o, d], A built in the loads."""
-    m, cols = gemm_tile(N, Z, BM, BN, GROUP_M)
-    m_ok, col_ok, m64 = m < N, cols < Z, m.to(tl.int64)
-    r = tl.load(rstd_ptr + m64, mask=m_ok, other=0.0)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        k = k0 + tl.arange(0, BK)
-        wn = tl.load(wn_ptr + k, mask=k < D, other=0.0)
-        a = mixed_tile(x_ptr, h_ptr, m64, m_ok, k, D, S) * r[:, None] * wn[None, :]
-        b = load_wt(w_ptr, cols, col_ok, k, D)
-        acc = dot_acc(a.to(b.dtype), b, acc, IEEE, EMU)
-    ok = m_ok[:, None] & col_ok[None, :]
-    tl.store(out_ptr + m64[:, None] * Z + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _norm_tiles(ga_ptr, x_ptr, h_ptr, rstd_ptr, wn_ptr, N, D, S: tl.constexpr, BN, BD):
-    """(tile indices, r, y_hat = y r, g_A, w_n) of this program's [BN, BD] tile, in fp32."""
-    n64, n_ok, d, ok = tile(N, D, BN, BD)
-    r = tl.load(rstd_ptr + n64, mask=n_ok, other=0.0)
-    y_hat = mixed_tile(x_ptr, h_ptr, n64, n_ok, d, D, S) * r[:, None]
+    """A[n] = y[n] r[n] w_n, r = 1 / sqrt(mean_d y^2 + eps): BN whole rows (BD >= D)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    d = tl.arange(0, BD)
+    n_ok, n64 = n < N, n.to(tl.int64)
+    y = mixed_tile(x_ptr, h_ptr, n64, n_ok, d, D, S)
+    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / D + f32(eps))
     wn = tl.load(wn_ptr + d, mask=d < D, other=0.0)
-    ga = tl.load(ga_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    return n64, n_ok, d, ok, r, y_hat, ga, wn
+    a = (y * r[:, None] * wn[None, :]).to(a_ptr.dtype.element_ty)
+    tl.store(a_ptr + n64[:, None] * D + d[None, :], a, mask=n_ok[:, None] & (d < D)[None, :])
+    tl.store(rstd_ptr + n64, r, mask=n_ok)
 
 
 @triton.jit
-def norm_bwd_dot(
+def _write_grads(g_ptr, gh_ptr, x_ptr, gy, n64, n_ok, d, D, S: tl.constexpr):
+    """g_y into g_ptr [N, D]; g_h[n, s] = <g_y, x_s> into gh_ptr [N, S]."""
+    ok = n_ok[:, None] & (d < D)[None, :]
+    tl.store(g_ptr + n64[:, None] * D + d[None, :], gy.to(g_ptr.dtype.element_ty), mask=ok)
+    row = n64[:, None] * (S * D) + d[None, :]
+    for s in tl.static_range(S):
+        xv = tl.load(x_ptr + row + s * D, mask=ok, other=0.0).to(tl.float32)
+        tl.store(gh_ptr + n64 * S + s, tl.sum(xv * gy, axis=1), mask=n_ok)
+
+
+@triton.jit
+def mix_norm_bwd(
     ga_ptr,
     x_ptr,
     h_ptr,
     rstd_ptr,
     wn_ptr,
-    a_ptr,
-    c_ptr,
+    g_ptr,
+    gh_ptr,
     gw_ptr,
     N,
     D,
+    TOKENS,
     S: tl.constexpr,
     BN: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """A = y_hat w_n (for g_W); c_ptr: [ND, N] partials of <g_A w_n, y_hat>; gw_ptr: [NB, D]
-    partials of sum_n g_A y_hat (w_n's gradient)."""
-    n64, n_ok, d, ok, _, y_hat, ga, wn = _norm_tiles(
-        ga_ptr, x_ptr, h_ptr, rstd_ptr, wn_ptr, N, D, S, BN, BD
-    )
-    a = (y_hat * wn[None, :]).to(a_ptr.dtype.element_ty)
-    tl.store(a_ptr + n64[:, None] * D + d[None, :], a, mask=ok)
-    c = tl.sum(ga * wn[None, :] * y_hat, axis=1)
-    tl.store(c_ptr + tl.program_id(1).to(tl.int64) * N + n64, c, mask=n_ok)
-    gw = tl.sum(ga * y_hat, axis=0)
+    """g_y = r (g_A w_n - y_hat c), c = <g_A w_n, y_hat> / D, y_hat = y r (`_write_grads`
+    stores it); gw_ptr [programs, D]: partials of sum_n g_A y_hat. TOKENS tokens a program,
+    BN whole rows (BD >= D) at a time."""
+    d = tl.arange(0, BD)
+    wn = tl.load(wn_ptr + d, mask=d < D, other=0.0)
+    gw = tl.zeros([BD], dtype=tl.float32)
+    for t in range(0, TOKENS, BN):
+        n = tl.program_id(0) * TOKENS + t + tl.arange(0, BN)
+        n_ok, n64 = n < N, n.to(tl.int64)
+        r = tl.load(rstd_ptr + n64, mask=n_ok, other=0.0)
+        y_hat = mixed_tile(x_ptr, h_ptr, n64, n_ok, d, D, S) * r[:, None]
+        ok = n_ok[:, None] & (d < D)[None, :]
+        ga = tl.load(ga_ptr + n64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        gw += tl.sum(ga * y_hat, axis=0)
+        gn = ga * wn[None, :]
+        c = tl.sum(gn * y_hat, axis=1) / D
+        gy = r[:, None] * (gn - y_hat * c[:, None])
+        _write_grads(g_ptr, gh_ptr, x_ptr, gy, n64, n_ok, d, D, S)
     tl.store(gw_ptr + tl.program_id(0).to(tl.int64) * D + d, gw, mask=d < D)
 
 
-@triton.jit
-def norm_bwd_dx(
-    ga_ptr,
-    x_ptr,
-    h_ptr,
-    rstd_ptr,
-    wn_ptr,
-    c_ptr,
-    gx_ptr,
-    gh_ptr,
-    N,
-    D,
-    S: tl.constexpr,
-    BN: tl.constexpr,
-    BD: tl.constexpr,
-):
-    """g_y = r (g_A w_n - y_hat c / D); g_x[s] = h_s g_y; gh_ptr: [ND, N, S] partials of
-    <g_y, x_s>."""
-    n64, n_ok, d, ok, r, y_hat, ga, wn = _norm_tiles(
-        ga_ptr, x_ptr, h_ptr, rstd_ptr, wn_ptr, N, D, S, BN, BD
-    )
-    c = tl.load(c_ptr + n64, mask=n_ok, other=0.0) / D
-    gy = r[:, None] * (ga * wn[None, :] - y_hat * c[:, None])
-    row = n64[:, None] * (S * D) + d[None, :]
-    part = gh_ptr + (tl.program_id(1).to(tl.int64) * N + n64) * S
-    for s in tl.static_range(S):
-        h = tl.load(h_ptr + n64 * S + s, mask=n_ok, other=0.0)
-        tl.store(gx_ptr + row + s * D, (h[:, None] * gy).to(gx_ptr.dtype.element_ty), mask=ok)
-        xv = tl.load(x_ptr + row + s * D, mask=ok, other=0.0).to(tl.float32)
-        tl.store(part + s, tl.sum(xv * gy, axis=1), mask=n_ok)
+def row_launch(N: int, D: int) -> tuple[int, Launch]:
+    """(BN, launch parameters) of the row passes: whole rows (BD = D padded to a power of two),
+    BN of them making about CONFIG["fold_norm"]["ELEMENTS"], warps to match; TOKENS tokens a
+    backward program, for about PROGRAMS programs."""
+    cfg = dict(CONFIG["fold_norm"])
+    bd = max(16, pow2(D))
+    bn = max(1, int(cfg.pop("ELEMENTS")) // bd)
+    warps = min(16, max(4, bn * bd // 512))
+    tokens = bn * max(1, cdiv(N, bn * int(cfg.pop("PROGRAMS"))))
+    return bn, dict(BN=bn, BD=bd, num_warps=warps, TOKENS=tokens)
 
 
 def _forward_impl(
-    x_BTSD: Tensor, h_BTS: Tensor, wn_D: Tensor, w_ZD: Tensor, eps: float
+    x_BTSD: Tensor, h_BTS: Tensor, wn_D: Tensor, eps: float, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """(out [B,T,Z] in W's dtype, rstd [B,T] fp32, saved for the backward)."""
+    """(A = RMSNorm(sum_s h_s x_s; w_n) [B,T,D] in `dtype`, rstd [B,T] fp32 for the backward)."""
     S, D = x_BTSD.shape[-2:]
-    Z, N = w_ZD.shape[0], h_BTS.numel() // S
-    out = x_BTSD.new_empty((*x_BTSD.shape[:-2], Z), dtype=w_ZD.dtype)
+    N = h_BTS.numel() // S
+    a = x_BTSD.new_empty((*x_BTSD.shape[:-2], D), dtype=dtype)
     rstd = x_BTSD.new_empty(x_BTSD.shape[:-2], dtype=torch.float32)
-    if not N:
-        return out, rstd
-    rows, cfg = row_launch(N, S, D)
-    traceable(mix_rstd)[(rows[0],)](x_BTSD, h_BTS, rstd, N, D, eps, S=S, **cfg)
-    grid, cfg = gemm_launch(N, Z, D, w_ZD.dtype)
-    traceable(mix_norm_matmul)[grid](x_BTSD, h_BTS, rstd, wn_D, w_ZD, out, N, D, Z, S=S, **cfg)
-    return out, rstd
+    if N:
+        bn, cfg = row_launch(N, D)
+        cfg.pop("TOKENS")
+        grid = (cdiv(N, bn),)
+        traceable(mix_norm_fwd)[grid](x_BTSD, h_BTS, wn_D, a, rstd, N, D, eps, S=S, **cfg)
+    return a, rstd
 
 
-def _forward_fake(x_BTSD, h_BTS, wn_D, w_ZD, eps):  # type: ignore[no-untyped-def]
-    out = x_BTSD.new_empty((*x_BTSD.shape[:-2], w_ZD.shape[0]), dtype=w_ZD.dtype)
-    return out, x_BTSD.new_empty(x_BTSD.shape[:-2], dtype=torch.float32)
+def _forward_fake(x_BTSD, h_BTS, wn_D, eps, dtype):  # type: ignore[no-untyped-def]
+    a = x_BTSD.new_empty((*x_BTSD.shape[:-2], x_BTSD.shape[-1]), dtype=dtype)
+    return a, x_BTSD.new_empty(x_BTSD.shape[:-2], dtype=torch.float32)
 
 
-_op = FusedOp("mhc_mix_norm_linear", _forward_impl, _forward_fake)
+_op = FusedOp("mhc_mix_norm", _forward_impl, _forward_fake)
 
 
 def _backward_impl(
-    g_BTZ: Tensor, x_BTSD: Tensor, h_BTS: Tensor, wn_D: Tensor, w_ZD: Tensor, rstd: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(g_x, g_h [B,T,S] fp32, g_w_n [D] fp32, g_W [Z, D] in W's dtype)."""
+    g_A: Tensor, x_BTSD: Tensor, h_BTS: Tensor, wn_D: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(g_y [B,T,D] in x's dtype, g_h [B,T,S], g_w_n [D] fp32); g_y: the mix's gradient."""
     S, D = x_BTSD.shape[-2:]
     N = rstd.numel()
-    g_x = torch.empty_like(x_BTSD)
+    g_y, g_h = x_BTSD.new_empty((*x_BTSD.shape[:-2], D)), torch.empty_like(h_BTS)
     if not N:
-        return g_x, torch.zeros_like(h_BTS), torch.zeros_like(wn_D), torch.zeros_like(w_ZD)
-    g_ND = g_BTZ.reshape(N, -1)
-    ga_ND = g_ND @ w_ZD  # the normalised input's gradient, in W's dtype
-    a_ND = ga_ND.new_empty((N, D))
-    grid, cfg = row_launch(N, S, D)
-    parts_c = rstd.new_empty((grid[1], N))
+        return g_y, g_h, torch.zeros_like(wn_D)
+    _, cfg = row_launch(N, D)
+    tokens = int(cfg.pop("TOKENS"))
+    grid = (cdiv(N, tokens),)
     parts_w = rstd.new_empty((grid[0], D))
-    args = (ga_ND, x_BTSD, h_BTS, rstd, wn_D)
-    traceable(norm_bwd_dot)[grid](*args, a_ND, parts_c, parts_w, N, D, S=S, **cfg)
-    g_w = g_ND.t() @ a_ND
-    parts_h = rstd.new_empty((grid[1], *h_BTS.shape))
-    c = sum_parts(parts_c).contiguous()
-    traceable(norm_bwd_dx)[grid](*args, c, g_x, parts_h, N, D, S=S, **cfg)
-    return g_x, sum_parts(parts_h), sum_parts(parts_w), g_w
+    args = (g_A, x_BTSD, h_BTS, rstd, wn_D, g_y, g_h, parts_w, N, D, tokens)
+    traceable(mix_norm_bwd)[grid](*args, S=S, **cfg)
+    return g_y, g_h, parts_w.sum(0)
 
 
-def _backward_fake(g_BTZ, x_BTSD, h_BTS, wn_D, w_ZD, rstd):  # type: ignore[no-untyped-def]
-    return tuple(torch.empty_like(t) for t in (x_BTSD, h_BTS, wn_D, w_ZD))
+def _backward_fake(g_A, x_BTSD, h_BTS, wn_D, rstd):  # type: ignore[no-untyped-def]
+    g_y = x_BTSD.new_empty((*x_BTSD.shape[:-2], x_BTSD.shape[-1]))
+    return g_y, torch.empty_like(h_BTS), torch.empty_like(wn_D)
 
 
-_bwd_op = FusedOp("mhc_mix_norm_linear_bwd", _backward_impl, _backward_fake)
+_bwd_op = FusedOp("mhc_mix_norm_bwd", _backward_impl, _backward_fake)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x_BTSD, h_BTS, wn_D, w_ZD, _eps = inputs
-    ctx.save_for_backward(x_BTSD, h_BTS, wn_D, w_ZD, output[1])
+    x_BTSD, h_BTS, wn_D, _eps, _dtype = inputs
+    ctx.save_for_backward(x_BTSD, h_BTS, wn_D, output[1])
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, g_BTZ, _g_rstd):  # type: ignore[no-untyped-def]
-    return *_bwd_op(g_BTZ.contiguous(), *ctx.saved_tensors), None
+def _backward(ctx, g_A, _g_rstd):  # type: ignore[no-untyped-def]
+    x_BTSD, h_BTS = ctx.saved_tensors[:2]
+    g_y, g_h, g_wn = _bwd_op(g_A.contiguous(), *ctx.saved_tensors)
+    g_x = h_BTS[..., None] * g_y[..., None, :].float()  # [B,T,S,D]
+    return g_x.to(x_BTSD.dtype), g_h, g_wn, None, None
 
 
 _op.register_autograd(_backward, setup_context=_setup)
 
 
+def _check(x_BTSD: Tensor, h_pre_BTS: Tensor, norm_w_D: Tensor) -> None:
+    check_inputs(x_BTSD)
+    if h_pre_BTS.shape != x_BTSD.shape[:-1] or tuple(norm_w_D.shape) != x_BTSD.shape[-1:]:
+        shapes = (tuple(h_pre_BTS.shape), tuple(norm_w_D.shape), tuple(x_BTSD.shape))
+        raise ValueError("h_pre {} / norm weight {} do not fit x {}".format(*shapes))
+
+
+def mix_norm(
+    x_BTSD: Tensor, h_pre_BTS: Tensor, norm_w_D: Tensor, *, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """Fused RMSNorm(sum_s h_s x_s; norm_w) -> [B,T,D] in `dtype`, mixed and normalised in
+    fp32 (rounded once, to `dtype`)."""
+    _check(x_BTSD, h_pre_BTS, norm_w_D)
+    h, wn = h_pre_BTS.float().contiguous(), norm_w_D.float().contiguous()
+    return _op(x_BTSD.contiguous(), h, wn, eps, dtype)[0]  # type: ignore[no-any-return]
+
+
 def mix_norm_linear(
     x_BTSD: Tensor, h_pre_BTS: Tensor, norm_w_D: Tensor, w_ZD: Tensor, *, eps: float
 ) -> Tensor:
-    """Fused RMSNorm(sum_s h_s x_s; norm_w) @ W^T -> [B,T,Z] in W's dtype (pass W cast to the
-    autocast dtype to multiply in it), mixed and normalised in fp32."""
-    check_inputs(x_BTSD, w_ZD)
-    S, D = x_BTSD.shape[-2:]
-    if w_ZD.dim() != 2 or w_ZD.shape[1] != D or tuple(norm_w_D.shape) != (D,):
-        raise ValueError(f"W {tuple(w_ZD.shape)} / norm {tuple(norm_w_D.shape)} do not fit D={D}")
-    if h_pre_BTS.shape != x_BTSD.shape[:-1]:
-        raise ValueError(f"h_pre {tuple(h_pre_BTS.shape)} does not fit x {tuple(x_BTSD.shape)}")
-    h, wn = h_pre_BTS.float().contiguous(), norm_w_D.float().contiguous()
-    return _op(x_BTSD.contiguous(), h, wn, w_ZD.contiguous(), eps)[0]  # type: ignore[no-any-return]
+    """RMSNorm(sum_s h_s x_s; norm_w) @ W^T -> [B,T,Z] in W's dtype (pass W cast to the
+    autocast dtype to multiply in it): `mix_norm`, then torch's GEMM."""
+    if w_ZD.dim() != 2 or w_ZD.shape[1] != x_BTSD.shape[-1]:
+        raise ValueError(f"W {tuple(w_ZD.shape)} does not fit D={x_BTSD.shape[-1]}")
+    return F.linear(mix_norm(x_BTSD, h_pre_BTS, norm_w_D, eps=eps, dtype=w_ZD.dtype), w_ZD)
+
+
+class _FoldEntry(torch.autograd.Function):
+    """The coefficient op and `mix_norm` as one node, which also gives x back as a view (see
+    `coefficients._CoefficientsMixInStreams`); its backward writes x's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x_BTSD, phi_PC, alpha, bias_P, wn_D, iters, norm_eps, eps, rms_eps, dtype):  # type: ignore[no-untyped-def]
+        inputs = (x_BTSD, phi_PC, alpha, bias_P, iters, True, False, norm_eps, eps)
+        pre, post, res, y, raw_BTP, rstd_BT = coef.coefficients_op(*inputs)
+        a_BTD, rstd_n = _op(x_BTSD, pre, wn_D, rms_eps, dtype)
+        coef.save_coefficients(ctx, inputs, (pre, post, res, y, raw_BTP, rstd_BT), wn_D, rstd_n)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros
+        return a_BTD, post, res, x_BTSD.view_as(x_BTSD)
+
+    @staticmethod
+    def backward(ctx, g_A, g_post, g_res, g_r):  # type: ignore[no-untyped-def]
+        *saved, wn_D, rstd_n = ctx.saved_tensors
+        x_BTSD, pre = saved[0], saved[2]
+        g_y, g_pre, g_wn = _bwd_op(g_A.contiguous(), x_BTSD, pre, wn_D, rstd_n)
+        grads = coef.coefficient_grads(
+            saved, ctx.hyper, g_pre, g_post, g_res, g_y, g_r, mix_reduced=True
+        )
+        return *grads, g_wn, None, None, None, None, None
+
+
+def fold_entry(
+    x_BTSD: Tensor,
+    phi_PC: Tensor,
+    alpha_3: Tensor,
+    bias_P: Tensor,
+    norm_w_D: Tensor,
+    *,
+    iters: int,
+    norm_eps: float,
+    eps: float,
+    rms_eps: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(RMSNorm(sum_s H_pre[s] x_s; norm_w) [B,T,D] in `dtype`, H_post, H_res, x again as a
+    view for mix out to read): the folded sublayer's entry, one autograd node."""
+    inputs = coef.op_inputs(x_BTSD, phi_PC, alpha_3, bias_P)
+    wn = norm_w_D.float().contiguous()
+    if tuple(wn.shape) != x_BTSD.shape[-1:]:
+        raise ValueError(f"norm weight {tuple(wn.shape)} does not fit x {tuple(x_BTSD.shape)}")
+    args = (iters, norm_eps, eps, rms_eps, dtype)
+    return _FoldEntry.apply(*inputs, wn, *args)  # type: ignore[no-any-return]
