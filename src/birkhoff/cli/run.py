@@ -15,6 +15,7 @@ from birkhoff.cli.common import (
     RunFailed,
     UsageError,
     add_job_arguments,
+    check_kernels,
     check_trackers,
     is_main,
     open_trackers,
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     assert preset.rl is not None
     check_trackers(args)
     device = start_job(args, preset, num_items=preset.rl.num_prompts, what="num_prompts")
+    check_kernels(preset, device)
     prepare_run_dir(out, preset, resume=args.resume, overwrite=args.overwrite, outputs=RUN_OUTPUTS)
     with stop_on_signals(StopFlag()) as flag:  # from here on a signal stops at a step boundary
         return run_grpo(args, preset, inputs, out=out, device=device, flag=flag)

@@ -14,6 +14,7 @@ from birkhoff.cli.common import (
     RunFailed,
     UsageError,
     add_job_arguments,
+    check_kernels,
     check_trackers,
     is_main,
     open_trackers,
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     preset = train_preset(args)
     check_trackers(args)
     device = start_job(args, preset, num_items=preset.train.batch_size, what="batch_size")
+    check_kernels(preset, device)
     prepare_run_dir(
         args.out, preset, resume=args.resume, overwrite=args.overwrite, outputs=TRAIN_OUTPUTS
     )

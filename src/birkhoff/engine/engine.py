@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from birkhoff.config import KERNELS, Kernels, ModelConfig, check
+from birkhoff.config import Kernels, ModelConfig, check, resolve_kernels
 from birkhoff.engine.decode import Completion, Generation
 from birkhoff.engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize_parts
 from birkhoff.engine.graphs import GraphPool, GraphSteps, Steps
@@ -74,7 +74,7 @@ class Engine:
         kernels: Kernels = "auto",
     ) -> None:
         check(quantize in (None, "fp8"), "quantize", quantize, "None | 'fp8'")
-        check(kernels in KERNELS, "kernels", kernels, " | ".join(KERNELS))
+        kernels = resolve_kernels(cfg, kernels)  # V4: eager ('triton' refused)
         check(
             dtype.is_floating_point and dtype.itemsize >= 2, "dtype", dtype, "bf16/fp16/fp32/fp64"
         )
@@ -84,13 +84,6 @@ class Engine:
         spec = max_speculative_tokens
         check(
             0 <= spec <= MAX_DRAFTS, "max_speculative_tokens", spec, f"must be in [0, {MAX_DRAFTS}]"
-        )
-        check(
-            cfg.attention is None
-            or not use_fused(torch.empty(0, device=device, dtype=dtype), kernels),
-            "kernels",
-            kernels,
-            "V4 attention runs the eager ops: kernels='eager' (or 'auto' off CUDA)",
         )
         graphs = torch.device(device).type == "cuda" if cuda_graphs is None else cuda_graphs
         check(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from birkhoff.config import resolve_kernels
 from birkhoff.engine import Engine
 from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.mtp import shift_targets
@@ -348,7 +349,7 @@ class GRPORun:
             self.log.truncate_after(self.step)
         if (self.out / REFERENCE_DIR).is_dir() and self.rl.loss.kl_weight > 0:
             reference = Transformer(self.preset.model).to(self.device)
-            apply_kernels(reference, self.preset.train.kernels)
+            apply_kernels(reference, resolve_kernels(self.preset.model, self.preset.train.kernels))
             load_checkpoint(self.out / REFERENCE_DIR, model=reference)
             self.reference = reference.eval().requires_grad_(False)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from birkhoff.config import ModelConfig
+from birkhoff.config import ModelConfig, resolve_kernels
 from birkhoff.model.block import apply_fold
 from birkhoff.model.hyper import apply_kernels
 from birkhoff.model.transformer import Transformer
@@ -82,7 +82,7 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, *, device: torch.devic
     """A freshly initialised model on `device`, its kernels, recompute and compile applied as
     `cfg` says."""
     model = Transformer(model_cfg).to(device)
-    apply_fold(apply_kernels(model, cfg.kernels), cfg.fold_gemms)
+    apply_fold(apply_kernels(model, resolve_kernels(model_cfg, cfg.kernels)), cfg.fold_gemms)
     if cfg.recompute == "full":
         apply_recompute(model, reclaim=cfg.reclaim)
     if cfg.compile:
