@@ -45,6 +45,20 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while importing (a session fixture runs before the per-test one of
+    conftest.py; on shared cores more threads only spin)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def imported_dirs(factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> checkpoint directory of every VARIANTS entry, imported on first use by the
     command line (`birkhoff import-hf FILE.gguf --streams S --mtp-depth M`)."""
@@ -53,7 +67,7 @@ def imported_dirs(factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = shared_root(factory) / "smollm2"
     root.mkdir(exist_ok=True)
     dirs = {name: root / name for name in VARIANTS}
-    with locked(root / "import.lock"):
+    with locked(root / "import.lock"), one_thread():
         for name, (num_streams, mtp_depth) in VARIANTS.items():
             if not (dirs[name] / "manifest.json").is_file():
                 argv = [
