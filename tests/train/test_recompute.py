@@ -24,9 +24,9 @@ CFG = ModelConfig(
 IDS = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def fresh() -> Transformer:
+def fresh(cfg: ModelConfig = CFG) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(CFG).double()
+    return Transformer(cfg).double()
 
 
 def loss_and_grads(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -117,11 +117,13 @@ def test_build_model_applies_the_configured_policy():
 def test_compiled_units_trace_whole_and_keep_fp64_numbers():
     """compile_blocks covers every block, every MTP depth with its merge, and each head's
     contraction and norm; each traces as one graph (fullgraph: a break fails) and the compiled
-    model's fp64 loss and gradients equal the eager model's."""
+    model's fp64 loss and gradients equal the eager model's. One layer (every layer traces the
+    same code), two MTP depths (the second one takes the first one's streams)."""
     torch._dynamo.reset()
-    eager, compiled = fresh(), fresh()
+    cfg = CFG.replace(num_layers=1)
+    eager, compiled = fresh(cfg), fresh(cfg)
     units = compile_units(compiled)
-    assert len(units) == CFG.num_layers + CFG.mtp_depth + 2 * (1 + CFG.mtp_depth)
+    assert len(units) == cfg.num_layers + cfg.mtp_depth + 2 * (1 + cfg.mtp_depth)
     compile_blocks(compiled, backend="aot_eager", fullgraph=True)
     expected_loss = eager(IDS, labels=IDS).loss
     expected_loss.backward()
