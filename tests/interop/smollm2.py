@@ -47,8 +47,8 @@ def locked(path: Path) -> Iterator[None]:
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """One intra-op thread while importing (a session fixture runs before the per-test one of
-    conftest.py; on shared cores more threads only spin)."""
+    """One intra-op thread while importing or loading (session and module fixtures run before
+    the per-test one of conftest.py; on shared cores more threads only spin)."""
     import torch
 
     before = torch.get_num_threads()
@@ -93,9 +93,10 @@ def transformers_model() -> object:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     path = gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    with one_thread():  # a module fixture: set up before the per-test one
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     return model.eval()
 
 
