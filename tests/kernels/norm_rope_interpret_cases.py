@@ -216,7 +216,8 @@ def test_a_fused_plain_step_launches_only_the_layers_chunk_embedding_and_samplin
     steps: defaultdict[str, list[Counter[str]]] = defaultdict(list)
     monkeypatch.setattr(decode_module, "plain_step",
                         counted(decode_module.plain_step, "plain", steps))  # fmt: skip
-    model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
+    # one layer: every layer dispatches the same ops
+    model = build_model(tiny_config(mtp_depth=1, num_layers=1), "cpu", "triton")
     engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(3))
     ops = sum(steps["plain"], Counter())
@@ -250,7 +251,8 @@ def test_a_fused_draft_depth_launches_its_block_and_a_few_ops(
     for kind in ("plain_step", "speculative_step"):
         monkeypatch.setattr(decode_module, kind, counted(getattr(decode_module, kind), kind, steps))
     monkeypatch.setattr(forward_module, "block", counted(forward_module.block, "block", steps))
-    model = build_model(tiny_config(mtp_depth=1), "cpu", "triton")
+    # one layer: the layers' ops are in both the plain and the speculative step
+    model = build_model(tiny_config(mtp_depth=1, num_layers=1), "cpu", "triton")
     engine = Engine.from_model(model, device="cpu", dtype=torch.float32, kernels="triton")
     J = 2
     engine.generate([[1, 2, 3]], SamplingParams(2))
