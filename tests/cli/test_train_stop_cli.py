@@ -3,41 +3,25 @@ prints, the command it names, `--resume` on a finished run, contradictory flags.
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from stop_helpers import rows, signal_after_rows
 
 from birkhoff.cli import main
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SMALL = ["--steps", "6", "--set", "train.batch_size=8", "--set", "train.log_every=1",
          "--no-progress"]  # fmt: skip
 
 
-def rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_sigterm_checkpoints_and_prints_the_resume_command(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    cmd = [sys.executable, "-m", "birkhoff", "train", "--out", str(out), "--steps", "4000",
+    argv = ["train", "--out", str(out), "--steps", "4000",
            "--set", "train.batch_size=8", "--train.log_every", "1", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(rows(out)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stderr
+    code, stdout, stderr = signal_after_rows(argv, out, signal.SIGTERM)
+    assert code == 143, stderr
     assert "Traceback" not in stdout + stderr
     assert "SIGTERM: stopping after the current step" in stderr
     lines = stdout.strip().splitlines()

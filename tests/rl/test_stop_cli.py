@@ -3,7 +3,6 @@ the command it names, `--resume` on a finished run, contradictory flags."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -13,30 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+from stop_helpers import SRC, rows, signal_after_rows
 
 from birkhoff.cli import main
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SMALL = ["--warmup-steps", "3", "--steps", "1", "--no-progress"]
-
-
-def rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_sigint_checkpoints_and_prints_the_resume_command(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    cmd = [sys.executable, "-m", "birkhoff", "run", "--out", str(out), "--warmup-steps", "400",
+    argv = ["run", "--out", str(out), "--warmup-steps", "400",
            "--steps", "2", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(rows(out)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    code, stdout, stderr = signal_after_rows(argv, out, signal.SIGINT)
+    assert code == 130, stderr
     assert "Traceback" not in stdout + stderr
     lines = stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stopped (SIGINT): "), stdout
