@@ -39,7 +39,6 @@ VARIANTS = {"S1": (1, False), "S4": (4, False), "S4_fold": (4, True)}  # name: (
 STREAM_PASSES = {
     "coeff_proj": 1, "grad_x": 3, "grad_phi": 1, "mix_in_fwd": 1, "mix_in_bwd": 2,
     "mix_out_fwd": 2, "mix_out_bwd": 3, "mix_norm_fwd": 1, "mix_norm_bwd": 1,
-    "matmul_mix_out": 2,
 }  # fmt: skip
 # per sublayer, forward + backward: (stream passes P = T*S*D, [T,D] passes Q = T*D) moved
 # around the GEMMs by each design as built (docs/mhc.md counts them)

@@ -194,17 +194,13 @@ def kernel_jobs(S: int, dtype: str, floats: str = "fp32") -> dict[str, Job]:
 
 def fold_jobs(S: int, dtype: str, floats: str = "fp32") -> dict[str, Job]:
     """The GEMM-folded sublayer's kernels: the entry's row passes at D 768 and 4096 (whole rows
-    a program), mix out's GEMM with its epilogue."""
+    a program)."""
     import importlib
 
-    import torch
-
     rows = importlib.import_module("birkhoff.kernels.mhc.mix_norm_linear")
-    gemm = importlib.import_module("birkhoff.kernels.mhc.fold_gemm")
-    epilogue = importlib.import_module("birkhoff.kernels.mhc.linear_mix_out")
     xt = f"*{dtype}"
     types = kernel_types(dtype, floats) | dict(wn_ptr="*fp32", a_ptr=xt, g_ptr=xt, gw_ptr="*fp32")
-    types |= dict(eps=floats, w_ptr=xt, p_ptr=xt, Z="i32")
+    types |= dict(eps=floats)
     jobs: dict[str, Job] = {}
     for D in (768, 4096):
         cfg = rows.row_launch(16384, D)[1]
@@ -213,11 +209,6 @@ def fold_jobs(S: int, dtype: str, floats: str = "fp32") -> dict[str, Job]:
         for kernel in (rows.mix_norm_fwd, rows.mix_norm_bwd):
             name = f"{kernel.fn.__name__}/{D}"
             jobs[name] = planned(kernel, types, const | dict(S=S), launch)
-    x_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    const, launch = split(gemm.gemm_launch(16384, 768, 2048, x_dtype)[1] | dict(EMU=False))
-    for save in (True, False):
-        consts = const | dict(S=S, SAVE_P=save)
-        jobs[f"matmul_mix_out/{save}"] = planned(epilogue.matmul_mix_out, types, consts, launch)
     return jobs
 
 

@@ -16,7 +16,6 @@ from birkhoff.kernels.mhc.coefficients import (
 )
 from birkhoff.kernels.mhc.configs import CONFIG
 from birkhoff.kernels.mhc.entry import contract_norm, hyper_entry, mix_out_proj, post_res
-from birkhoff.kernels.mhc.linear_mix_out import linear_mix_out
 from birkhoff.kernels.mhc.mix_norm_linear import fold_entry, mix_norm, mix_norm_linear
 from birkhoff.kernels.mhc.mixes import mix_in, mix_out
 from birkhoff.kernels.mhc.phi import served_phi
@@ -30,7 +29,6 @@ __all__ = [
     "contraction_weights",
     "fold_entry",
     "hyper_entry",
-    "linear_mix_out",
     "mhc_coefficients",
     "mix_in",
     "mix_norm",

@@ -38,11 +38,6 @@ CONFIG: dict[str, Launch] = {
     # BN >= 16 (tl.dot). The entry after it: ~PROGRAMS programs.
     "mix_out_proj": dict(BN=16, BD=16, num_warps=4, PROGRAMS=384),
     "pre_mix_norm": dict(PROGRAMS=256, num_warps=4),
-    # mix out as a GEMM epilogue (fold_gemm.py): tensor-core tiles for bf16/fp16 operands
-    # (BN 64: at 128 the epilogue's S stream tiles spill), smaller ones for exact fp32 ("ieee")
-    # dots; GROUP_M token blocks share W tiles in L2
-    "fold_gemm": dict(BM=128, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "fold_gemm_fp32": dict(BM=64, BN=64, BK=32, GROUP_M=8, num_warps=8, num_stages=2),
     # the folded entry's row passes (mix_norm_linear.py): whole rows, about ELEMENTS a tile;
     # the backward's grid about PROGRAMS programs
     "fold_norm": dict(ELEMENTS=4096, PROGRAMS=528),

@@ -252,8 +252,7 @@ _mix_out_op = FusedOp("mhc_mix_out", _mix_out_impl, _mix_out_fake)
 def mix_out_grads(
     g_BTSD: Tensor, x_BTSD: Tensor, f_BTD: Tensor, post_BTS: Tensor, res_BTSS: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(g_x, g_F, g_post, g_res) of mix out (contiguous tensors; post and res in fp32); the
-    GEMM-folded mix out (`linear_mix_out`) runs it with F = its saved projection."""
+    """(g_x, g_F, g_post, g_res) of mix out (contiguous tensors; post and res in fp32)."""
     S, D = x_BTSD.shape[-2:]
     g_x, g_f = torch.empty_like(x_BTSD), torch.empty_like(f_BTD)
     N = post_BTS.numel() // S
