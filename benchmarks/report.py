@@ -278,7 +278,7 @@ SECTIONS = [
                 "NVIDIA H100 80GB HBM3",
                 "e971e6a",
             ),
-            Run("run-tiny-cpu.jsonl", MAIN_RUN, "cpu (2 cores)", "d17deb7"),
+            Run("run-tiny-cpu.jsonl", MAIN_RUN, "cpu (2 cores)", "49dd2d0"),
             Run(
                 "run-smollm2-grpo-cuda.jsonl",
                 "birkhoff run --preset smollm2-grpo --device cuda --out /tmp/smollm2-grpo",
